@@ -1,0 +1,96 @@
+"""Reference attention in plain PyTorch (CPU and CUDA): write to the paged cache, gather by
+block table, scaled-dot-product attention.
+
+Decodes are attended in one batched SDPA call over their padded block tables; each prefill
+span is one SDPA call (per sequence, never per token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.base import AttentionMetadata, PrefillSpan
+from kvserve.runner.kv_storage import LayerKVCache
+
+
+class TorchRefBackend:
+    """The reference backend; any faster backend must give the same outputs."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kv_cache.write(metadata.slot_mapping, key, value)
+        out = torch.empty_like(query)
+        num_decode = metadata.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = self._decode(query[:num_decode], kv_cache, metadata, scale)
+        for span in metadata.prefills:
+            rows = slice(span.query_start, span.query_end)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+        return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        # query [B, H, D]; keys gathered [B, S, Hkv, D] with S = max_blocks * block_size.
+        keys, values = kv_cache.gather(md.decode_block_tables, query.dtype)
+        num_keys = keys.shape[1]
+        mask = torch.arange(num_keys, device=query.device)[None, :] < md.decode_seq_lens[:, None]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2),  # [B, Hkv, S, D]
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,  # [L, H, D]
+        key: torch.Tensor,  # [L, Hkv, D] this step's keys
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        span: PrefillSpan,
+        scale: float,
+    ) -> torch.Tensor:
+        num_query = query.shape[0]
+        num_context = span.seq_len - num_query
+        if num_context == 0:
+            # Nothing cached before this chunk: the fresh K/V are the whole context.
+            out = F.scaled_dot_product_attention(
+                query.transpose(0, 1),
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out.transpose(0, 1)
+        keys, values = kv_cache.gather(span.block_table, query.dtype)
+        keys, values = keys[: span.seq_len], values[: span.seq_len]
+        positions = torch.arange(num_context, span.seq_len, device=query.device)
+        mask = torch.arange(span.seq_len, device=query.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1),  # [H, L, D]
+            keys.transpose(0, 1),  # [Hkv, S, D]
+            values.transpose(0, 1),
+            attn_mask=mask[None],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def build_prefill_span(
+    query_start: int, query_end: int, seq_len: int, block_table: torch.Tensor
+) -> PrefillSpan:
+    return PrefillSpan(query_start, query_end, seq_len, block_table)

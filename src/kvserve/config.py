@@ -1,0 +1,198 @@
+"""Frozen configuration dataclasses, composed into EngineConfig.
+
+Each user-facing field carries its flag's help text in ``metadata["help"]``, so the CLI builds
+its flags from the fields (one field, one flag, one help text).  Validation raises ValueError
+naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer, independent of the checkpoint format."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"  # the checkpoint's dtype
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache is laid out and how much memory it gets."""
+
+    block_size: int = field(default=16, metadata=_help("Tokens per KV cache block."))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "KV cache storage dtype: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8.",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=_help(
+            "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides "
+            "--gpu-memory-utilization.",
+            parse="size",
+        ),
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=_help(
+            "Fraction of device memory for weights + activations + KV cache (default 0.9 on "
+            "a GPU). On a CPU it applies to host RAM only when given explicitly."
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("Reuse the KV of cached prompt prefixes.")
+    )
+    swap_space: float = field(
+        default=0.0, metadata=_help("Host memory (GiB) for swapping preempted requests' KV.")
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"--block-size must be a positive power of two, got {self.block_size}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive, e.g. 512MiB")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+        if self.swap_space < 0:
+            raise ValueError("--swap-space must be >= 0 GiB")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one engine step; pure numbers so the scheduler can be tested alone."""
+
+    max_num_seqs: int = field(
+        default=256, metadata=_help("Maximum number of sequences in one step.")
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_help("Maximum number of tokens computed in one step.")
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("Maximum tokens (prompt + output) per sequence; default: the model's."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError("--max-num-seqs must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("--max-num-batched-tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("--max-model-len must be positive")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which checkpoint to load, and how."""
+
+    model: str | None = field(
+        default=None,
+        metadata=_help("GGUF file or Hugging Face directory; default: embedded SmolLM2-135M."),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "Weights/activations dtype: auto (bfloat16 on a CPU with native bf16, else "
+            "float32; the checkpoint's dtype on CUDA), float32, bfloat16, float16.",
+            choices=MODEL_DTYPES,
+        ),
+    )
+    device: str = field(default="auto", metadata=_help("cpu, cuda, cuda:N or auto."))
+    seed: int = field(default=0, metadata=_help("Seed for requests that give none."))
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("Tensor-parallel ranks (1 is supported for serving).")
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "--tensor-parallel-size > 1 is not supported for serving yet; use 1 "
+                "(kvserve plan accepts any size)"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, composed of the parts above."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Parse '512MiB', '2GiB', '1.5GB' or a plain byte count into bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 512MiB, 2GiB or 1073741824)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable binary size: 1.9 GiB."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,286 @@
+"""LLMEngine: ties scheduler, model runner, sampler and detokenizer into steps.
+
+    add_request -> Scheduler.waiting
+    step():  schedule -> ModelRunner.execute -> update_from_output -> detokenize, stop
+             strings -> RequestOutput (cumulative, one per user request touched)
+
+A user request with n > 1 becomes n child sequences ("<id>-<i>"); with prefix caching their
+shared prompt blocks are computed once and held by reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.config import EngineConfig
+from kvserve.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.sizing import KVCacheSizing, kv_budget_bytes, size_kv_cache
+from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.spec import kv_cache_spec
+from kvserve.models.loader import Checkpoint, load_checkpoint
+from kvserve.models.registry import get_model_class
+from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.runner import platform
+from kvserve.runner.kv_storage import allocate_kv_caches
+from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
+from kvserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one child sequence: its text and logprobs."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _UserRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        started = time.monotonic()
+        self.config = config
+        platform.set_cpu_threads()
+        checkpoint = checkpoint or load_checkpoint(config.load.model)
+        self.model_name = checkpoint.name
+        self.model_config = checkpoint.config
+        self.device = platform.resolve_device(config.load.device)
+        self.dtype = platform.resolve_dtype(
+            config.load.dtype, self.device, checkpoint.config.torch_dtype
+        )
+        self.tokenizer = load_tokenizer(checkpoint.path)
+        self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        model_cls = get_model_class(checkpoint.config.architecture)
+        self.model = model_cls.from_weights(
+            checkpoint.config, checkpoint.weights, self.dtype, self.device
+        )
+        del checkpoint.weights
+        self.max_model_len = self._resolve_max_model_len()
+        self.sizing = self._size_kv_cache()
+        self._build_runtime()
+        self._user_requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self._log_startup(time.monotonic() - started)
+
+    # ----------------------------------------------------------------- start-up
+    def _resolve_max_model_len(self) -> int:
+        native = self.model_config.max_position_embeddings
+        requested = self.config.scheduler.max_model_len
+        if requested is None:
+            return native
+        if requested > native:
+            logger.warning("--max-model-len %d exceeds the model's context length %d", requested, native)
+        return requested
+
+    def _size_kv_cache(self) -> KVCacheSizing:
+        cache = self.config.cache
+        mc = self.model_config
+        spec = kv_cache_spec(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.kv_cache_dtype,
+            torch_dtype_name(self.dtype), cache.block_size,
+        )  # fmt: skip
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = kv_budget_bytes(
+            cache,
+            self.device,
+            weights_bytes,
+            lambda: profile_peak_activation_bytes(
+                self.model, spec, self.config.scheduler.max_num_batched_tokens,
+                TorchRefBackend(), self.device,
+            ),
+        )  # fmt: skip
+        return size_kv_cache(spec, budget, self.max_model_len)
+
+    def _build_runtime(self) -> None:
+        spec = self.sizing.spec
+        self.kv_caches = allocate_kv_caches(spec, self.sizing.num_blocks, self.device)
+        self.cache_manager = KVCacheManager(
+            self.sizing.num_blocks,
+            spec.block_size,
+            enable_caching=self.config.cache.enable_prefix_caching,
+            extra_key=spec.dtype.encode(),
+        )
+        sched = self.config.scheduler
+        self.scheduler = Scheduler(
+            sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
+            self.cache_manager,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, TorchRefBackend(), spec.block_size, self.device,
+            seed=self.config.load.seed,
+        )  # fmt: skip
+
+    def _log_startup(self, seconds: float) -> None:
+        mc = self.model_config
+        logger.info(
+            "model %s (%s, %d layers, %d heads / %d KV heads, head_dim %d) on %s in %s, "
+            "loaded in %.1fs",
+            self.model_name, mc.architecture, mc.num_layers, mc.num_heads, mc.num_kv_heads,
+            mc.head_dim, self.device, torch_dtype_name(self.dtype), seconds,
+        )  # fmt: skip
+        logger.info(self.sizing.summary())
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (n children for n > 1).  ValueError for one that can never fit."""
+        if request_id in self._user_requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        children = [
+            Request(
+                request_id=child_id,
+                prompt_token_ids=token_ids,
+                sampling_params=self._child_params(params, i),
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            )
+            for i, child_id in enumerate(child_ids)
+        ]
+        added = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            for child_id in added:
+                self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        user = _UserRequest(request_id, text, token_ids, child_ids)
+        for child in children:
+            user.sequences[child.request_id] = self._new_sequence(child.sampling_params)
+            self._child_to_user[child.request_id] = request_id
+        self._user_requests[request_id] = user
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Child i of an n-sample request samples with seed + i (reproducible per sample)."""
+        seed = None if params.seed is None else params.seed + index
+        return replace(params, n=1, seed=seed)
+
+    def _new_sequence(self, params: SamplingParams) -> _Sequence:
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        return _Sequence(detok, [] if params.logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a user request now; its blocks are freed at once."""
+        user = self._user_requests.pop(request_id, None)
+        if user is None:
+            return
+        for child_id in user.child_ids:
+            self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+            self._child_to_user.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._user_requests)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ----------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
+        touched: dict[str, None] = {}
+        for request in updated:
+            user_id = self._child_to_user.get(request.request_id)
+            if user_id is None:
+                continue
+            self._process_token(request, runner_output.logprobs.get(request.request_id))
+            touched[user_id] = None
+        return [self._make_output(user_id) for user_id in touched]
+
+    def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
+        user = self._user_requests[self._child_to_user[request.request_id]]
+        seq = user.sequences[request.request_id]
+        seq.detokenizer.add(request.output_token_ids[-1:])
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(logprobs)
+        if user.num_cached_tokens == 0 and request.num_cached_tokens > 0:
+            user.num_cached_tokens = request.num_cached_tokens
+        if seq.detokenizer.stopped_by is not None and not request.status.finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = seq.detokenizer.stopped_by
+        if request.status.finished:
+            seq.finish_reason = request.status.finish_reason
+            seq.stop_reason = request.stop_reason or seq.detokenizer.stopped_by
+
+    def _make_output(self, user_id: str) -> RequestOutput:
+        user = self._user_requests[user_id]
+        outputs = []
+        for index, child_id in enumerate(user.child_ids):
+            seq = user.sequences[child_id]
+            finished = seq.finish_reason is not None
+            token_ids = seq.detokenizer.token_ids
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=seq.detokenizer.visible_text(finished),
+                    token_ids=list(token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs,
+                )
+            )
+        finished = all(o.finished for o in outputs)
+        if finished:
+            del self._user_requests[user_id]
+            for child_id in user.child_ids:
+                self._child_to_user.pop(child_id, None)
+        return RequestOutput(
+            request_id=user_id,
+            prompt=user.prompt,
+            prompt_token_ids=user.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=user.num_cached_tokens,
+        )
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

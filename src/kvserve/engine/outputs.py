@@ -1,0 +1,90 @@
+"""Plain data passed between scheduler, model runner and engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start_position...
+
+    `sample` is True when this step reaches the end of the request's known tokens, so the
+    token sampled from the last position is kept (False for a non-final prefill chunk)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # before this step; min_tokens needs it
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # running decodes first, then prefills
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]  # finished since the previous step: runners drop state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests whose ScheduledRequest.sample is True
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # referenced blocks / all blocks
+    num_free_blocks: int
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # since start, tokens
+    prefix_cache_hits: int
+    kv_waste: float  # allocated slots of running requests not holding a computed token
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one user request (all n samples) after a step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,197 @@
+"""Continuous batching: FCFS queues, a token budget per step, chunked prefill, preemption.
+
+There are no prefill and decode phases.  Each request simply needs
+``num_tokens - num_computed_tokens`` more tokens computed (a prompt many, a decode one, a
+preempted request all of them again); each step hands out `max_num_batched_tokens`:
+
+1. running requests, decodes first, then unfinished prefills (a chunk of what the budget
+   allows).  When the cache manager has no block for one, the most recently admitted running
+   request not yet scheduled this step is preempted by recompute: its blocks are freed (full
+   ones stay in the prefix cache), it goes back to the front of the waiting queue.
+2. then waiting requests, in arrival order, while budget, `max_num_seqs` and blocks last;
+   each first takes its longest cached prefix for free.
+
+Pure Python: the scheduler needs a SchedulerConfig and a KVCacheManager, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvserve.engine.outputs import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.request import Request, RequestStatus, check_stop
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        cache_manager: KVCacheManager,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.cache_manager = cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        """Queue a request; reject at once one that could never fit (ValueError)."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("prompt must contain at least one token")
+        max_tokens = request.sampling_params.max_tokens or 1
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt + max_tokens} exceeds max_model_len ({self.max_model_len})"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request (stop string, abort, or a stop token); frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.cache_manager.free(request_id)
+        self._finished_ids.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        done: set[str] = set()
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in decodes_first:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, done, preempted):
+                continue
+            scheduled.append(self._scheduled(request, num_new))
+            done.add(request.request_id)
+            budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, preempted, finished)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, done: set[str], preempted: list[str]
+    ) -> bool:
+        """Allocate blocks for `num_new` tokens, preempting newer requests until it fits.
+        Returns False when `request` itself had to be preempted."""
+        cm = self.cache_manager
+        while cm.allocate_slots(request.request_id, request.num_computed_tokens, num_new) is None:
+            victim = next(
+                (r for r in reversed(self.running) if r.request_id not in done), request
+            )
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        cm = self.cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = cm.find_cached_prefix(request.request_id, request.all_token_ids)
+            num_new = min(request.num_tokens - cached.num_tokens, budget)
+            if cm.allocate_slots(request.request_id, cached.num_tokens, num_new, cached) is None:
+                cm.free(request.request_id)  # drop the hashes computed by the lookup
+                break
+            self.waiting.popleft()
+            cm.record_prefix_query(request.num_tokens, cached.num_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = cached.num_tokens
+            request.num_computed_tokens = cached.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_table=list(self.cache_manager.block_tables[request.request_id]),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    # ----------------------------------------------------------------- after the model ran
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, cache newly full blocks, append sampled tokens, finish
+        requests that hit a stop condition.  Returns the requests that got a new token."""
+        updated = []
+        cm = self.cache_manager
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            cm.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
+            if not item.sample:
+                continue
+            request.append_output_token(sampled_token_ids[item.request_id])
+            updated.append(request)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        return updated
+
+    def stats(self) -> SchedulerStats:
+        cm = self.cache_manager
+        held = sum(r.num_computed_tokens for r in self.running)
+        slots = sum(cm.num_blocks_of(r.request_id) for r in self.running) * cm.block_size
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=cm.usage,
+            num_free_blocks=cm.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=cm.prefix_stats.queries,
+            prefix_cache_hits=cm.prefix_stats.hits,
+            kv_waste=1.0 - held / slots if slots else 0.0,
+        )
+

