@@ -30,6 +30,12 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

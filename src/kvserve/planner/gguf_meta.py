@@ -71,11 +71,18 @@ def _layer_kinds(
     meta: _Metadata, arch: str, num_layers: int, kv_heads: Any
 ) -> tuple[LayerKind, ...]:
     """Per-layer KV head counts of 0 mark layers without attention (hybrid models)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    # The pattern is a period (every n-th layer global) or one bool per layer (True: sliding).
+    layer_types = None
+    if isinstance(pattern, list):
+        layer_types = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+        pattern = None
     kinds = infer_layer_kinds(
         arch,
         num_layers,
         meta.get(f"{arch}.attention.sliding_window"),
-        sliding_window_pattern=meta.get(f"{arch}.attention.sliding_window_pattern"),
+        layer_types=layer_types,
+        sliding_window_pattern=pattern,
     )
     if isinstance(kv_heads, list) and 0 in kv_heads:
         if len(kv_heads) != num_layers:

@@ -21,7 +21,7 @@ def format_plan(plan: Plan) -> str:
     chosen = plan.selected
     lines = [*_header(plan), ""]
     lines.append(
-        f"KV per sequence at {plan.context_len:,} tokens ({_dtype_label(chosen)}): "
+        f"KV per sequence at {plan.context_len:,} tokens, {_dtype_label(chosen)}: "
         f"{chosen.bytes_per_sequence:,} bytes ({format_bytes(chosen.bytes_per_sequence)}); "
         f"batch of {plan.batch_size}: {format_bytes(chosen.bytes_for_batch)}"
     )
@@ -61,7 +61,7 @@ def _verdict(plan: Plan, chosen: DtypePlan) -> str:
     fits = "fits" if chosen.batch_fits else "does NOT fit"
     return (
         f"batch of {plan.batch_size} {fits}: at most {chosen.max_num_seqs:,} sequences of "
-        f"{plan.context_len:,} tokens at once ({_dtype_label(chosen)})"
+        f"{plan.context_len:,} tokens at once"
     )
 
 
