@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.planner.cli import add_plan_parser, run_plan
@@ -31,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     args = _parser().parse_args(["plan", *argv])
-    code = args.func(args)
+    assert args.func is run_plan
+    code = run_plan(args)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -54,8 +57,9 @@ def test_llama2_70b_as_mha_is_eight_times_larger() -> None:
 
 
 def test_plan_reports_the_article_number() -> None:
-    plan = make_plan(load_model_shape("llama-2-70b"),
-                     PlanInputs("H100-80GB", 80 * GiB, context_len=32768))
+    plan = make_plan(
+        load_model_shape("llama-2-70b"), PlanInputs("H100-80GB", 80 * GiB, context_len=32768)
+    )
     assert plan.selected.bytes_per_sequence == 10_737_418_240
     assert plan.attention == "GQA"
     assert "10,737,418,240 bytes" in format_plan(plan)
@@ -106,8 +110,10 @@ def test_mla_8bit_dtypes() -> None:
 
 
 def test_deepseek_v3_plan_on_eight_h200() -> None:
-    plan = make_plan(load_model_shape("deepseek-v3"),
-                     PlanInputs("H200", 141 * GiB, context_len=32768, tensor_parallel_size=8))
+    plan = make_plan(
+        load_model_shape("deepseek-v3"),
+        PlanInputs("H200", 141 * GiB, context_len=32768, tensor_parallel_size=8),
+    )
     assert plan.weight_dtype == "fp8"  # from quantization_config.quant_method
     assert plan.weight_bytes == plan.num_params  # one byte per fp8 weight
     assert plan.weight_bytes_per_gpu == math.ceil(plan.num_params / 8)
@@ -174,12 +180,55 @@ def test_max_model_len_is_whole_blocks_of_the_budget() -> None:
     assert layout.max_model_len(budget) == budget // layout.bytes_per_block * 16
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    num_layers=st.integers(1, 96),
+    num_kv_heads=st.integers(1, 64),
+    head_dim=st.sampled_from([32, 64, 80, 128, 256]),
+    kv_dtype=st.sampled_from(["auto", "fp8_e4m3", "fp8_e5m2", "int8"]),
+    block_size=st.sampled_from([1, 8, 16, 32]),
+    tp=st.integers(1, 8),
+    budget=st.integers(0, 200 * GiB),
+    context=st.integers(1, 300_000),
+)
+def test_uniform_models_count_like_the_engine(
+    num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str, block_size: int,
+    tp: int, budget: int, context: int,
+) -> None:  # fmt: skip
+    shape = ModelShape(
+        name="random", architecture="test", num_layers=num_layers, hidden_size=head_dim,
+        intermediate_size=1, vocab_size=1, num_heads=num_kv_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, torch_dtype="bfloat16",
+    )  # fmt: skip
+    layout = kv_layout(shape, kv_dtype, block_size, tp)
+    spec = kv_cache_spec(num_layers, num_kv_heads, head_dim, kv_dtype, "bfloat16", block_size, tp)
+    num_blocks = spec.num_blocks_in(budget)
+    assert layout.max_num_seqs(budget, context) == num_blocks // spec.num_blocks_for_tokens(context)
+    assert layout.max_model_len(budget) == num_blocks * block_size
+    cap = engine_kv_capacity(num_layers, num_kv_heads, head_dim, "bfloat16", block_size=block_size,
+                             kv_cache_dtype=kv_dtype, kv_cache_memory=budget,
+                             max_model_len=context, tensor_parallel_size=tp)  # fmt: skip
+    assert kv_capacity(layout, budget, context) == cap
+
+
+@settings(max_examples=40, deadline=None)
+@given(budget=st.integers(0, 80 * GiB), block_size=st.sampled_from([8, 16, 32]))
+def test_max_model_len_is_the_longest_that_fits_with_windows(budget: int, block_size: int) -> None:
+    layout = kv_layout(load_model_shape("gemma-2-27b"), "auto", block_size)
+    longest = layout.max_model_len(budget)
+    assert longest is not None and longest % block_size == 0
+    assert layout.block_bytes_per_sequence(longest) <= budget
+    assert layout.block_bytes_per_sequence(longest + block_size) > budget
+
+
 # --- tensor parallelism ----------------------------------------------------------------------
 
 
 def test_tp_split_of_llama2_70b_on_h100() -> None:
-    plan = make_plan(load_model_shape("llama-2-70b"),
-                     PlanInputs("H100-80GB", 80 * GiB, context_len=32768, tensor_parallel_size=4))
+    plan = make_plan(
+        load_model_shape("llama-2-70b"),
+        PlanInputs("H100-80GB", 80 * GiB, context_len=32768, tensor_parallel_size=4),
+    )
     weights = 68_976_648_192 * 2  # params x fp16
     assert plan.weight_bytes == weights
     assert plan.weight_bytes_per_gpu == weights // 4 == 34_488_324_096
@@ -203,8 +252,16 @@ def test_tp_replicates_kv_heads_when_fewer_than_ranks() -> None:
 
 def test_engine_kv_capacity_for_the_embedded_model() -> None:
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, bfloat16
-    cap = engine_kv_capacity(30, 3, 64, "bfloat16", block_size=16, kv_cache_dtype="auto",
-                             kv_cache_memory=1 * GiB, max_model_len=8192)
+    cap = engine_kv_capacity(
+        30,
+        3,
+        64,
+        "bfloat16",
+        block_size=16,
+        kv_cache_dtype="auto",
+        kv_cache_memory=1 * GiB,
+        max_model_len=8192,
+    )
     assert cap.bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23_040
     assert cap.bytes_per_block == 368_640
     assert cap.num_blocks == GiB // 368_640 == 2912
@@ -220,8 +277,14 @@ def test_engine_kv_capacity_for_the_embedded_model() -> None:
 def test_param_estimates() -> None:
     assert estimate_num_params(load_model_shape("llama-2-7b")) == 6_738_415_616
     assert estimate_num_params(load_model_shape("llama-2-70b")) == 68_976_648_192
-    published = {"deepseek-v3": 671e9, "mixtral-8x7b": 46.7e9, "gemma-2-27b": 27.2e9,
-                 "qwen2.5-7b": 7.61e9, "llama-3.1-8b": 8.03e9, "llama-3.1-405b": 405.9e9}
+    published = {
+        "deepseek-v3": 671e9,
+        "mixtral-8x7b": 46.7e9,
+        "gemma-2-27b": 27.2e9,
+        "qwen2.5-7b": 7.61e9,
+        "llama-3.1-8b": 8.03e9,
+        "llama-3.1-405b": 405.9e9,
+    }
     for name, count in published.items():
         assert estimate_num_params(load_model_shape(name)) == pytest.approx(count, rel=0.01)
 
@@ -250,7 +313,10 @@ def test_layer_kind_rules() -> None:
     assert gemma3 == (LayerKind.SLIDING,) * 5 + (LayerKind.FULL,)
     types = ["linear_attention", "full_attention", "sliding_attention"]
     assert infer_layer_kinds("x", 3, 8, layer_types=types) == (
-        LayerKind.NONE, LayerKind.FULL, LayerKind.SLIDING)
+        LayerKind.NONE,
+        LayerKind.FULL,
+        LayerKind.SLIDING,
+    )
 
 
 def test_gguf_metadata_and_exact_weights(tmp_path: Path) -> None:
@@ -298,8 +364,20 @@ def test_gguf_missing_key_is_named(tmp_path: Path) -> None:
 
 
 def test_cli_table_names_formula_and_all_dtypes(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(["llama-2-70b", "--context", "32768", "--gpu", "a100-80gb",
-                           "--tensor-parallel-size", "2", "--batch", "4"], capsys)
+    code, out, err = _run(
+        [
+            "llama-2-70b",
+            "--context",
+            "32768",
+            "--gpu",
+            "a100-80gb",
+            "--tensor-parallel-size",
+            "2",
+            "--batch",
+            "4",
+        ],
+        capsys,
+    )
     assert code == 0 and err == ""
     assert "GQA: 2 (K,V) x 80 layers x 4 KV heads x 128 head_dim" in out
     for name in ("auto (float16)", "fp8_e4m3", "fp8_e5m2", "int8"):
@@ -307,20 +385,33 @@ def test_cli_table_names_formula_and_all_dtypes(capsys: pytest.CaptureFixture[st
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(["deepseek-v3", "--context", "4096", "--memory", "141GiB",
-                         "--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--json"],
-                        capsys)
+    code, out, _ = _run(
+        [
+            "deepseek-v3",
+            "--context",
+            "4096",
+            "--memory",
+            "141GiB",
+            "--tensor-parallel-size",
+            "8",
+            "--kv-cache-dtype",
+            "fp8",
+            "--json",
+        ],
+        capsys,
+    )
     data = json.loads(out)
     assert code == 0 and data["selected"] == "fp8_e4m3"
-    assert {d["kv_cache_dtype"] for d in data["dtypes"]} == {
-        "auto", "fp8_e4m3", "fp8_e5m2", "int8"}
+    assert {d["kv_cache_dtype"] for d in data["dtypes"]} == {"auto", "fp8_e4m3", "fp8_e5m2", "int8"}
     assert data["dtypes"][0]["bytes_per_sequence"] == 70_272 * 4096
 
 
 def test_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "plan.png"
-    code, _, _ = _run(["llama-3.1-8b", "--context", "8192", "--gpu", "L4", "--batch", "12",
-                       "--plot", str(png)], capsys)
+    code, _, _ = _run(
+        ["llama-3.1-8b", "--context", "8192", "--gpu", "L4", "--batch", "12", "--plot", str(png)],
+        capsys,
+    )
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -367,8 +458,14 @@ def test_config_without_a_needed_field_names_it(
 
 
 def test_mla_config_without_rope_dim_names_it() -> None:
-    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "intermediate_size": 128, "vocab_size": 10, "kv_lora_rank": 16}
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": 10,
+        "kv_lora_rank": 16,
+    }
     with pytest.raises(PlanError, match="qk_rope_head_dim"):
         shape_from_hf_config(config, "tiny-mla", "config.json")
 

@@ -98,6 +98,13 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         if key not in cfg:
             raise ModelLoadError(f"config.json lacks the field {key!r}")
     num_heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling here
+    rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    max_len = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and window < max_len:
+        max_len = window  # full attention is exact while a sequence fits in the window
+    bias = cfg.get("attention_bias")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -110,11 +117,11 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        rope_scaling=cfg.get("rope_scaling"),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_len,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        attention_bias=(arch == "qwen2") if bias is None else bool(bias),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

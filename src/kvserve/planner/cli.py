@@ -29,28 +29,72 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Plan KV-cache memory for a model on a GPU before deploying it.",
         epilog=f"presets: {', '.join(preset_names())}. GPUs: {', '.join(gpu_names())}.",
     )
-    parser.add_argument("model", metavar="MODEL|PRESET",
-                        help="GGUF file, Hugging Face directory, config.json, or a preset name.")
-    parser.add_argument("--context", type=int, default=None,
-                        help="Tokens per sequence (default: the model's max_position_embeddings).")
-    parser.add_argument("--batch", type=int, default=1,
-                        help="Concurrent sequences to check (and curves to plot).")
+    parser.add_argument(
+        "model",
+        metavar="MODEL|PRESET",
+        help="GGUF file, Hugging Face directory, config.json, or a preset name.",
+    )
+    parser.add_argument(
+        "--context",
+        metavar="N",
+        type=int,
+        default=None,
+        help="Tokens per sequence (default: the model's max_position_embeddings).",
+    )
+    parser.add_argument(
+        "--batch",
+        metavar="N",
+        type=int,
+        default=1,
+        help="Concurrent sequences to check (and curves to plot).",
+    )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--gpu", default=None, help=f"GPU preset (default {DEFAULT_GPU}).")
-    where.add_argument("--memory", default=None,
-                       help="Memory per GPU instead of a preset, e.g. 80GiB or 24GB.")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="Fraction of GPU memory for weights + KV cache (default 0.9).")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV dtype to highlight; all are shown side by side.")
-    parser.add_argument("--dtype", default="auto", choices=("auto", *WEIGHT_DTYPE_BITS),
-                        help="Weight dtype (default: the checkpoint's).")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="Tensor-parallel ranks; numbers are per GPU.")
-    parser.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+    where.add_argument(
+        "--gpu", metavar="NAME", default=None, help=f"GPU preset (default {DEFAULT_GPU})."
+    )
+    where.add_argument(
+        "--memory",
+        metavar="SIZE",
+        default=None,
+        help="Memory per GPU instead of a preset, e.g. 80GiB or 24GB.",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        metavar="F",
+        type=float,
+        default=0.9,
+        help="Fraction of GPU memory for weights + KV cache (default 0.9).",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV dtype to highlight; all are shown side by side.",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *WEIGHT_DTYPE_BITS),
+        help="Weight dtype (default: the checkpoint's).",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        metavar="N",
+        type=int,
+        default=1,
+        help="Tensor-parallel ranks; numbers are per GPU.",
+    )
+    parser.add_argument(
+        "--block-size", metavar="N", type=int, default=16, help="Tokens per KV block."
+    )
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                        help="Draw KV memory against context length for 1..batch sequences.")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="Draw KV memory against context length for 1..batch sequences.",
+    )
     parser.set_defaults(func=run_plan)
 
 

@@ -86,8 +86,10 @@ def _layer_kinds(
     )
     if isinstance(kv_heads, list) and 0 in kv_heads:
         if len(kv_heads) != num_layers:
-            raise PlanError(f"{meta.source}: {arch}.attention.head_count_kv has "
-                            f"{len(kv_heads)} entries for {num_layers} layers")
+            raise PlanError(
+                f"{meta.source}: {arch}.attention.head_count_kv has "
+                f"{len(kv_heads)} entries for {num_layers} layers"
+            )
         base = kinds or (LayerKind.FULL,) * num_layers
         kinds = tuple(LayerKind.NONE if n == 0 else k for n, k in zip(kv_heads, base, strict=True))
     return kinds

@@ -142,8 +142,9 @@ def kv_layout(
     groups = []
     for kind in (LayerKind.FULL, LayerKind.SLIDING):
         if counts[kind]:
-            groups.append(_group(shape, kind, counts[kind], kv_cache_dtype, block_size,
-                                 tensor_parallel_size))
+            groups.append(
+                _group(shape, kind, counts[kind], kv_cache_dtype, block_size, tensor_parallel_size)
+            )
     if not groups:
         raise PlanError(f"{shape.name}: no layer keeps a KV cache; nothing to plan")
     num_none = counts[LayerKind.NONE]
@@ -232,5 +233,7 @@ def _heads_line(shape: ModelShape, tensor_parallel_size: int, heads_per_rank: in
             f"{shape.num_kv_heads} KV heads < TP {tensor_parallel_size}: each rank keeps 1 head,"
             f" every head replicated on {copies} ranks"
         )
-    return f"{shape.num_kv_heads} KV heads split over TP {tensor_parallel_size}: " \
+    return (
+        f"{shape.num_kv_heads} KV heads split over TP {tensor_parallel_size}: "
         f"{heads_per_rank} per rank"
+    )

@@ -79,8 +79,15 @@ def engine_kv_capacity(
     num_blocks = kv_cache_memory // spec.bytes_per_block and
     max_concurrency = num_blocks / ceil(max_model_len / block_size).
     """
-    spec = kv_cache_spec(num_layers, num_kv_heads, head_dim, kv_cache_dtype, model_dtype,
-                         block_size, tensor_parallel_size)
+    spec = kv_cache_spec(
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        kv_cache_dtype,
+        model_dtype,
+        block_size,
+        tensor_parallel_size,
+    )
     num_blocks = spec.num_blocks_in(kv_cache_memory)
     blocks_per_seq = spec.num_blocks_for_tokens(max_model_len)
     return KVCapacity(
@@ -160,12 +167,18 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         # CacheConfig owns the rules (and flag-naming messages) for these three.
-        CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                    gpu_memory_utilization=self.gpu_memory_utilization)
+        CacheConfig(
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
         if self.gpu_memory <= 0:
             raise PlanError(f"--memory must be positive, e.g. 80GiB (got {self.gpu_memory})")
-        for flag, value in (("--context", self.context_len), ("--batch", self.batch_size),
-                            ("--tensor-parallel-size", self.tensor_parallel_size)):
+        for flag, value in (
+            ("--context", self.context_len),
+            ("--batch", self.batch_size),
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+        ):
             if value is not None and value <= 0:
                 raise PlanError(f"{flag} must be a positive integer, got {value}")
 
@@ -174,8 +187,9 @@ def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
     """Compute the plan: weights per GPU, the KV budget, and each KV dtype's capacity."""
     context_len = inputs.context_len or shape.max_position_embeddings
     if context_len is None:
-        raise PlanError(f"{shape.name}: the config gives no max_position_embeddings; "
-                        "give --context N")
+        raise PlanError(
+            f"{shape.name}: the config gives no max_position_embeddings; give --context N"
+        )
     tp = inputs.tensor_parallel_size
     total_weights = weight_bytes(shape, inputs.weight_dtype)
     per_gpu = weight_bytes_per_gpu(total_weights, tp)
@@ -183,8 +197,13 @@ def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
     budget = usable - per_gpu
     selected = "fp8_e4m3" if inputs.kv_cache_dtype == "fp8" else inputs.kv_cache_dtype
     dtypes = tuple(
-        _dtype_plan(kv_layout(shape, name, inputs.block_size, tp), name, budget, context_len,
-                    inputs.batch_size)
+        _dtype_plan(
+            kv_layout(shape, name, inputs.block_size, tp),
+            name,
+            budget,
+            context_len,
+            inputs.batch_size,
+        )
         for name in KV_DTYPES_COMPARED
     )
     return Plan(
@@ -228,15 +247,21 @@ def _notes(shape: ModelShape, context_len: int, budget: int) -> tuple[str, ...]:
     """Caveats the reader of the table must not miss."""
     notes = []
     if budget <= 0:
-        notes.append("the weights alone exceed the usable memory: raise "
-                     "--tensor-parallel-size, pick a larger GPU or a smaller --dtype")
+        notes.append(
+            "the weights alone exceed the usable memory: raise "
+            "--tensor-parallel-size, pick a larger GPU or a smaller --dtype"
+        )
     limit = shape.max_position_embeddings
     if limit is not None and context_len > limit:
-        notes.append(f"--context {context_len:,} exceeds the model's "
-                     f"max_position_embeddings ({limit:,})")
+        notes.append(
+            f"--context {context_len:,} exceeds the model's max_position_embeddings ({limit:,})"
+        )
     if shape.num_params is None:
-        notes.append("parameters estimated from the config (embeddings, attention, MLP/experts,"
-                     " norms)")
-    notes.append("activations are not counted: the engine profiles them at start-up, so its "
-                 "KV budget is somewhat lower")
+        notes.append(
+            "parameters estimated from the config (embeddings, attention, MLP/experts, norms)"
+        )
+    notes.append(
+        "activations are not counted: the engine profiles them at start-up, so its "
+        "KV budget is somewhat lower"
+    )
     return tuple(notes)

@@ -48,7 +48,7 @@ def read_hf_config(path: Path) -> ModelShape:
         raise PlanError(f"{path}: cannot read a JSON config ({exc})") from None
     if not isinstance(config, dict):
         raise PlanError(f"{path}: a config.json must hold a JSON object")
-    name = config.get("_name_or_path") or path.parent.name or path.stem
+    name = config.get("_name_or_path") or path.resolve().parent.name or path.stem
     return shape_from_hf_config(config, str(name), f"{path}")
 
 

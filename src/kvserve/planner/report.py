@@ -124,21 +124,22 @@ def plot_plan(plan: Plan, shape: ModelShape, path: Path) -> None:
 
     contexts = [max(1, round(plan.context_len * i / 200)) for i in range(201)]
     counts = seq_counts_to_draw(plan.batch_size)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True, squeeze=False)
     for ax, d in zip(axes.flat, plan.dtypes, strict=True):
         layout = kv_layout(shape, d.kv_cache_dtype, plan.block_size, plan.tensor_parallel_size)
         per_seq = [layout.bytes_per_sequence(n) / 2**30 for n in contexts]
         for count in counts:
             ax.plot(contexts, [count * b for b in per_seq], label=f"{count} seq")
-        ax.axhline(max(0, plan.kv_budget) / 2**30, color="black", linestyle="--",
-                   label="KV budget")
+        ax.axhline(max(0, plan.kv_budget) / 2**30, color="black", linestyle="--", label="KV budget")
         ax.set_title(f"{_dtype_label(d)}: max {d.max_num_seqs:,} seqs at {plan.context_len:,}")
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("KV memory per GPU (GiB)")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize="small", ncol=math.ceil(len(counts) / 5))
-    fig.suptitle(f"{plan.model_name} on {plan.gpu_name} (TP {plan.tensor_parallel_size}, "
-                 f"utilization {plan.gpu_memory_utilization:g})")
+    fig.suptitle(
+        f"{plan.model_name} on {plan.gpu_name} (TP {plan.tensor_parallel_size}, "
+        f"utilization {plan.gpu_memory_utilization:g})"
+    )
     fig.tight_layout()
     try:
         fig.savefig(path)

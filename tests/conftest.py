@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random-weight Hugging Face models of each supported architecture.
+
+Each is saved with save_pretrained (safetensors) next to the embedded model's tokenizer, so
+kvserve loads it exactly as it would a real checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+)
+
+
+def tiny_hf_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama3":
+        rope = {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }  # fmt: skip
+        return LlamaConfig(**TINY, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6)
+    if arch == "mistral":
+        return MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    from kvserve.models.loader import embedded_model_path
+    from kvserve.tokenizer import load_tokenizer
+
+    return load_tokenizer(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    """factory: arch -> (directory, HF model in float32 eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(arch: str) -> tuple[Path, torch.nn.Module]:
+        if arch not in made:
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).float().eval()
+            directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(directory)
+            embedded_tokenizer.save_pretrained(directory)
+            made[arch] = (directory, model)
+        return made[arch]
+
+    return make
