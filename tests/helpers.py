@@ -55,3 +55,15 @@ def run_in_chunks(model, token_ids: list[int], chunk_size: int, block_size: int 
         piece = token_ids[start : start + chunk_size]
         out.append(forward_logits(model, caches, block_size, [chunk("r", piece, start, table)])[0])
     return torch.cat(out)
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """Plain argmax decoding with transformers' own KV cache, never stopping at EOS
+    (`generate(min_new_tokens=...)` would instead forbid EOS and change the tokens)."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(num_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

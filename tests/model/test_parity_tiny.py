@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_in_chunks
+from helpers import hf_greedy, run_in_chunks
 from kvserve import LLM, SamplingParams
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.llama import LlamaForCausalLM
@@ -37,11 +37,7 @@ def test_greedy_tokens_match_transformers(tiny_model_dir, arch):
     directory, hf = tiny_model_dir(arch)
     llm = LLM(str(directory), kv_cache_memory=4 * 2**20, max_model_len=256)
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, min_new_tokens=32
-        )[0, len(PROMPT) :].tolist()
-    assert out[0].outputs[0].token_ids == ref
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPT, 32)
 
 
 def test_model_config_read_from_config_json(tiny_model_dir):
