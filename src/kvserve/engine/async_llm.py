@@ -1,0 +1,255 @@
+"""AsyncLLM: the engine behind an asyncio server, stepping on a thread of its own.
+
+The engine is not thread-safe, so exactly one thread (``kvserve-engine``) ever touches it:
+
+    event loop (server)                      engine thread
+    -------------------                      -------------
+    generate(): submit add  --commands-->    run commands (add / abort)
+                await its Future  <-------   resolve Future (or ValueError)
+                await queue.get() <-------   step() -> call_soon_threadsafe(queue.put_nowait)
+    abort():    submit abort --commands-->   abort_request(): blocks freed before the next step
+
+Outputs are cumulative, so a consumer that falls behind only needs the newest one: `generate`
+drains its queue and yields the latest output, never a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput, SchedulerStats
+from kvserve.request import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown, or a step failed); requests cannot proceed."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue owned by the event loop that awaits it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+class AsyncLLM:
+    """Owns an LLMEngine and serializes every call to it on one background thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]]
+        self._commands = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()  # orders command submission against the final drain
+        self._closed = False  # set once, under _lock, when no command will run any more
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopping = False
+        self._error: BaseException | None = None
+        self.stats: SchedulerStats = engine.get_stats()  # replaced (never mutated) per step
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self._error is None
+
+    # ------------------------------------------------------------------ event-loop side
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> RequestStream:
+        """Add a request now and return the stream of its outputs.
+
+        Raises ValueError (and nothing was added) for a request the engine rejects, so a
+        server can answer 400 before it commits to a streaming response.  The caller must
+        close the returned stream (``async with`` or ``close()``) unless it reads it to the
+        end: closing an unfinished stream aborts the request and frees its blocks."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            await self._submit(lambda: self._add(request_id, prompt, params, stream))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may have happened before the cancel arrived
+            raise
+        return RequestStream(self, request_id, stream.queue, on_output)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request` + iterate: yields cumulative outputs until the request finishes."""
+        async with await self.add_request(request_id, prompt, params) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when unknown or finished).  Safe from any thread, and from a
+        `finally` of a cancelled task: it only enqueues the command."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put((lambda: self._abort(request_id), concurrent.futures.Future()))
+        self._wakeup.set()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread and return its result (for rare, quick
+        calls such as diagnostics)."""
+        return await self._submit(lambda: fn(self.engine))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step; requests still running get
+        EngineDeadError."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    async def _submit(self, fn: Callable[[], Any]) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine is not running")
+            self._commands.put((fn, future))
+        self._wakeup.set()
+        return await asyncio.wrap_future(future)
+
+    # ------------------------------------------------------------------ engine thread
+    def _add(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: _Stream
+    ) -> None:
+        self.engine.add_request(request_id, prompt, params)  # ValueError: nothing was added
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.get_stats()
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - anything here ends the engine
+            logger.exception("engine thread failed; no more requests can be served")
+            self._error = exc
+        finally:
+            self._fail_all(EngineDeadError("the engine stopped before the request finished"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # the caller gets it (e.g. ValueError for a bad request)
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        for output in self.engine.step():
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+        self.stats = self.engine.get_stats()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - best effort while going down
+                logger.exception("could not abort %s", request_id)
+        self._streams.clear()
+        with self._lock:
+            self._closed = True
+        while True:  # commands that will never run: wake their callers
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine is not running"))
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; closing it early aborts."""
+
+    def __init__(
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        pending: asyncio.Queue[RequestOutput | BaseException],
+        on_output: Callable[[RequestOutput], None] | None,
+    ) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._pending = pending
+        self._on_output = on_output
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        """The newest output; earlier queued ones are subsumed by it (outputs are cumulative)."""
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._pending.get()
+            while not isinstance(item, BaseException) and not self._pending.empty():
+                item = self._pending.get_nowait()
+        except BaseException:
+            self.close()  # cancelled while waiting: the client is gone
+            raise
+        if isinstance(item, BaseException):
+            self._done = True  # the engine already dropped the request
+            raise item
+        self._done = item.finished
+        if self._on_output is not None:
+            self._on_output(item)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it finished; idempotent."""
+        if not self._done:
+            self._done = True
+            self._owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()

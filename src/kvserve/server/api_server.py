@@ -1,0 +1,234 @@
+"""`kvserve serve`: the FastAPI app (OpenAI-compatible routes, /health, /metrics, /tokenize,
+/detokenize) and `run_server`, which loads the engine, then serves until SIGTERM or Ctrl+C.
+
+Shutdown: uvicorn stops accepting, lets in-flight requests finish for --shutdown-timeout
+seconds (then cancels them, which aborts them in the engine), runs the lifespan exit (the
+engine thread stops), and run_server returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve.config import EngineConfig
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.server.args import ServerConfig, server_config_from_args
+from kvserve.server.errors import APIError, error_response, install_error_handlers, parse_body
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.server.serving import ServingContext
+from kvserve.server.serving_chat import ChatHandler, chat_token_ids
+from kvserve.server.serving_completions import CompletionsHandler
+from kvserve.server.stats_logger import StatsLogger
+
+logger = logging.getLogger("kvserve")
+
+
+def build_app(ctx: ServingContext, config: ServerConfig) -> FastAPI:
+    """The ASGI app around a started AsyncLLM; the lifespan exit stops the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats = StatsLogger(ctx.metrics, lambda: ctx.async_llm.stats, config.log_stats_interval)
+        task = asyncio.create_task(stats.run()) if config.log_stats_interval > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            ctx.async_llm.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    install_error_handlers(app)
+    _add_routes(app, ctx)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:  # added last = outermost: unauthenticated bodies are never buffered
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    completions, chat = CompletionsHandler(ctx), ChatHandler(ctx)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.async_llm.is_running:
+            return Response(status_code=200)
+        return error_response("the engine is not running", 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(
+            id=ctx.model_name,
+            root=ctx.async_llm.engine.model_name,
+            max_model_len=ctx.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await completions.create(await parse_body(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> JSONResponse:
+        body = await parse_body(raw, TokenizeRequest)
+        return JSONResponse(_tokenize(ctx, body).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> JSONResponse:
+        body = await parse_body(raw, DetokenizeRequest)
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, "tokens")
+        text = ctx.tokenizer.decode(body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+    """vLLM's /tokenize: a text prompt, or chat messages through the template."""
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        token_ids = chat_token_ids(ctx, body.messages)
+    else:
+        token_ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(token_ids),
+        max_model_len=ctx.max_model_len,
+        tokens=token_ids,
+        token_strs=token_strs,
+    )
+
+
+# ---------------------------------------------------------------------- process entry point
+def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
+    """Bind, load the engine, serve until SIGTERM/SIGINT; 0 after a clean shutdown.
+
+    ValueError (bad flag, port in use, KV cache too small) reaches the CLI as a one-line
+    error.  The port is bound before the model loads, so a busy port fails in a second."""
+    import uvicorn
+
+    from kvserve.engine.llm_engine import LLMEngine
+
+    config = server_config_from_args(args)
+    logger.info("kvserve serve: non-default args: %s", _non_default_args(args))
+    sock = _bind(config.host, config.port)
+    engine = LLMEngine(engine_config)
+    async_llm = AsyncLLM(engine)
+    async_llm.start()
+    try:
+        ctx = _serving_context(async_llm, config)
+        _log_ready(ctx, config, sock)
+        uv_config = uvicorn.Config(
+            build_app(ctx, config),
+            log_config=None,  # our logging set-up (kvserve.cli) formats uvicorn's lines too
+            access_log=config.access_log,
+            timeout_graceful_shutdown=config.shutdown_timeout,
+        )
+        server = uvicorn.Server(uv_config)
+        with _signals_end_in_return():
+            server.run(sockets=[sock])
+    finally:
+        async_llm.shutdown()
+        sock.close()
+    logger.info("kvserve serve: stopped")
+    return 0
+
+
+def _serving_context(async_llm: AsyncLLM, config: ServerConfig) -> ServingContext:
+    engine = async_llm.engine
+    name = config.served_model_name or engine.model_name
+    spec = engine.sizing.spec
+    cache_info = {
+        "block_size": str(spec.block_size),
+        "num_blocks": str(engine.sizing.num_blocks),
+        "kv_cache_dtype": spec.dtype,
+        "max_model_len": str(engine.max_model_len),
+    }
+    metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info)
+    return ServingContext(async_llm, name, metrics)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ValueError(
+            f"--host/--port: cannot listen on {host}:{port} ({exc}); pick another --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextmanager
+def _signals_end_in_return() -> Iterator[None]:
+    """uvicorn handles SIGTERM/SIGINT gracefully, then re-raises the signal to the handler it
+    found; a no-op handler here turns that re-raise into a normal return (exit code 0)."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _non_default_args(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.cli import build_parser
+
+    defaults = vars(build_parser().parse_args(["serve"]))
+    given = {
+        k: v for k, v in vars(args).items() if k not in ("func", "command") and defaults.get(k) != v
+    }
+    if given.get("api_key"):
+        given["api_key"] = "<hidden>"
+    return given
+
+
+def _log_ready(ctx: ServingContext, config: ServerConfig, sock: socket.socket) -> None:
+    host, port = sock.getsockname()[:2]
+    sizing = ctx.async_llm.engine.sizing
+    logger.info(
+        "serving %r: max_model_len %d, up to %.1f sequences of that length in the KV cache, "
+        "API key %s",
+        ctx.model_name,
+        ctx.max_model_len,
+        sizing.max_concurrency,
+        "required" if config.api_key else "not required",
+    )
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    logger.info("OpenAI-compatible API at %s/v1 (also /health, /metrics, /tokenize)", url)

@@ -1,0 +1,102 @@
+"""Pure ASGI middleware: API-key check and request-body size limit.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect messages pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kvserve.server.errors import error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # load balancers and Prometheus scrape these
+
+
+async def _send_error(send: Send, status: int, message: str) -> None:
+    body = error_body(message, status)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Every path but OPEN_PATHS needs ``Authorization: Bearer <key>`` (401 otherwise)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected):
+            await _send_error(send, 401, "invalid or missing API key: send 'Authorization: "
+                              "Bearer <key>' with the key the server was started with")  # fmt: skip
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reject bodies over `max_bytes` with 413 before the app parses them.
+
+    A declared Content-Length over the limit is refused at once; a chunked body is read up
+    to the limit and then replayed to the app, so the app never sees a partial body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        await _send_error(send, 413, f"request body is over the limit of {self.max_bytes} bytes "
+                          "(--max-request-body-bytes)")  # fmt: skip
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that first returns the buffered body, then the real messages (so the app
+    still learns about a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

@@ -1,0 +1,188 @@
+"""What /v1/completions and /v1/chat/completions share: validation into SamplingParams (400s
+that name the field), starting requests on the AsyncLLM, usage.
+
+Everything is checked before the first `add_request`, so a rejected request leaves no trace in
+the engine and never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kvserve.engine.outputs import RequestOutput
+from kvserve.request import SamplingParams
+from kvserve.server.errors import APIError
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@dataclass
+class ServingContext:
+    """The engine front, the name it is served under, and the metrics: what handlers need."""
+
+    async_llm: AsyncLLM
+    model_name: str
+    metrics: ServerMetrics
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.async_llm.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_llm.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.async_llm.engine.model_config.vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        """The same tokenization as the engine (and offline LLM.generate) applies to text."""
+        return self.async_llm.engine.tokenize(text)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text on its own, for logprobs (cached: the vocabulary is finite)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                f"model {name!r} does not exist; this server serves {self.model_name!r}", "model"
+            )
+
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"{field}: token id {bad} is not in [0, {self.vocab_size})", field)
+
+    def check_fits(
+        self, num_prompt_tokens: int, max_tokens: int, prompt_field: str, max_tokens_field: str
+    ) -> None:
+        """400 unless prompt + max_tokens fits in max_model_len; names both numbers."""
+        if num_prompt_tokens == 0:
+            raise APIError(f"{prompt_field} must not be empty", prompt_field)
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                f"{prompt_field} has {num_prompt_tokens} tokens, but this model's maximum "
+                f"context length is {limit} tokens (prompt plus output); shorten it",
+                prompt_field,
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                f"{prompt_field} ({num_prompt_tokens} tokens) + {max_tokens_field} "
+                f"({max_tokens}) = {num_prompt_tokens + max_tokens} tokens exceeds this "
+                f"model's maximum context length of {limit} tokens; set {max_tokens_field} "
+                f"to at most {limit - num_prompt_tokens}",
+                max_tokens_field,
+            )
+
+    async def start(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Add a validated request; its outputs feed the latency metrics as they are read."""
+        tracker = self.metrics.start_request()
+        try:
+            return await self.async_llm.add_request(
+                request_id, token_ids, params, on_output=tracker.observe
+            )
+        except ValueError as exc:  # what only the engine knows; validation catches the rest
+            raise APIError(str(exc)) from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status=503) from None
+
+    async def start_all(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> list[RequestStream]:
+        """Start one request per prompt (ids "<id>-<i>"); all or none."""
+        if len(prompts) == 1:
+            return [await self.start(request_id, prompts[0], params)]
+        streams: list[RequestStream] = []
+        try:
+            for i, token_ids in enumerate(prompts):
+                streams.append(await self.start(f"{request_id}-{i}", token_ids, params))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+
+def sampling_params(
+    request: SamplingRequest, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+) -> SamplingParams:
+    """SamplingParams from the shared fields; ValueError becomes a 400 naming the field as
+    the client spelled it (`renames` maps SamplingParams names to request names)."""
+    _reject_unsupported(request)
+    if request.seed is not None and not INT64_MIN <= request.seed <= INT64_MAX:
+        raise APIError(f"seed must be a 64-bit integer, got {request.seed}", "seed")
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    try:
+        return SamplingParams(
+            n=1 if request.n is None else request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens or 0,
+            stop=tuple(stop),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        field, _, why = str(exc).partition(" ")
+        name = renames.get(field, field)
+        raise APIError(f"{name} {why}", name) from None
+
+
+def _reject_unsupported(request: SamplingRequest) -> None:
+    """Fields the sampler does not implement are refused rather than silently ignored."""
+    neutral = [
+        ("frequency_penalty", request.frequency_penalty in (None, 0.0)),
+        ("presence_penalty", request.presence_penalty in (None, 0.0)),
+        ("repetition_penalty", request.repetition_penalty in (None, 1.0)),
+        ("logit_bias", not request.logit_bias),
+    ]
+    for name, ok in neutral:
+        if not ok:
+            raise APIError(f"{name} is not supported by this server; omit it", name)
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def collect_final(stream: RequestStream) -> RequestOutput:
+    """Read a stream to its end; the last output holds everything (outputs are cumulative)."""
+    final = None
+    async with stream:
+        async for output in stream:
+            final = output
+    assert final is not None and final.finished
+    return final

@@ -1,0 +1,180 @@
+"""POST /v1/chat/completions: the model's chat template, logprobs/top_logprobs, streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.engine.async_llm import EngineDeadError, RequestStream
+from kvserve.engine.outputs import RequestOutput, TokenLogprobs
+from kvserve.server.errors import APIError, error_body
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from kvserve.server.serving import (
+    ServingContext,
+    collect_final,
+    new_id,
+    sampling_params,
+    usage_of,
+)
+from kvserve.server.streaming import SSE_DONE, DeltaTracker, SSEResponse, cancel_on_disconnect, sse
+from kvserve.tokenizer import apply_chat_template
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain dicts for the template; content parts are joined (text is all this model reads)."""
+    if not messages:
+        raise APIError("messages must contain at least one message", "messages")
+    result = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            kinds = {part.type for part in content} - {"text"}
+            if kinds:
+                raise APIError(
+                    f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}",
+                    "messages",
+                )
+            content = "".join(part.text or "" for part in content)
+        item: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name:
+            item["name"] = message.name
+        result.append(item)
+    return result
+
+
+def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage]) -> list[int]:
+    """Template the conversation; a template that rejects it is the client's 400."""
+    try:
+        return apply_chat_template(ctx.tokenizer, messages_to_dicts(messages))
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja raises for roles/orders it rejects
+        raise APIError(f"messages: the chat template rejected them: {exc}", "messages") from None
+
+
+class ChatHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        _reject_unsupported(body)
+        token_ids = chat_token_ids(ctx, body.messages)
+        max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = (
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        )
+        if max_tokens is None:  # OpenAI's default: whatever the context leaves
+            max_tokens = max(1, ctx.max_model_len - len(token_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, top, renames={"logprobs": "top_logprobs"})
+        ctx.check_fits(len(token_ids), max_tokens, "messages", max_field)
+        request_id = new_id("chatcmpl")
+        stream = await ctx.start(request_id, token_ids, params)
+        if body.stream:
+            return SSEResponse(self._stream(request_id, body, params.n, stream), [stream])
+        final = await cancel_on_disconnect(raw, collect_final(stream))
+        if final is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(self._response(request_id, body, final).model_dump())
+
+    def _response(
+        self, request_id: str, body: ChatCompletionRequest, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=out.index,
+                message=AssistantMessage(content=out.text),
+                logprobs=self._logprobs(out.logprobs[: len(out.token_ids)])
+                if body.logprobs and out.logprobs is not None
+                else None,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            for out in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=self.ctx.model_name, choices=choices, usage=usage_of([final])
+        )
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            token = self.ctx.token_text(entry.token_id)
+            top = [self._top(t, lp) for t, lp in entry.top]
+            content.append(
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=entry.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.ctx.token_text(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    async def _stream(
+        self, request_id: str, body: ChatCompletionRequest, n: int, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        role = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(n)]  # fmt: skip
+        yield sse(self._chunk(request_id, role))
+        tracker = DeltaTracker()
+        final = None
+        try:
+            async for output in stream:
+                final = output
+                for out in output.outputs:
+                    delta = tracker.delta(out.index, out)
+                    if delta is None:
+                        continue
+                    logprobs = None
+                    if body.logprobs and delta.logprobs is not None:
+                        logprobs = self._logprobs(delta.logprobs)
+                    choice = ChatStreamChoice(
+                        index=out.index,
+                        delta=DeltaMessage(content=delta.text),
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                    yield sse(self._chunk(request_id, [choice]))
+            options = body.stream_options
+            if options is not None and options.include_usage and final is not None:
+                usage = usage_of([final])
+                yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), 503))
+        yield SSE_DONE
+
+    def _chunk(self, request_id: str, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, model=self.ctx.model_name, choices=choices)
+
+
+def _reject_unsupported(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
+    if body.tools:
+        raise APIError("tools are not supported by this server; omit them", "tools")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(f"response_format {kind!r} is not supported; use 'text'", "response_format")
