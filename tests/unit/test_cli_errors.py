@@ -1,0 +1,54 @@
+"""Bad input at the command line: one line naming the problem, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str, tmp_path=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *args],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in error_lines[0]
+
+
+def test_missing_model_path(tmp_path):
+    proc = run_cli("generate", str(tmp_path / "nope.gguf"))
+    assert_one_line_error(proc, "model path does not exist", "nope.gguf")
+
+
+def test_non_model_file(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert_one_line_error(run_cli("generate", str(text)), "is not a model", ".gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"], "hidden_size": 8}')
+    proc = run_cli("generate", str(tmp_path))
+    assert_one_line_error(proc, "unsupported architecture 'BertModel'", "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["--block-size", "12"], "--block-size must be a positive power of two"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    ],
+)
+def test_bad_flags_name_the_flag(flags, needle):
+    assert_one_line_error(run_cli("generate", *flags), needle)
