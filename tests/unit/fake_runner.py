@@ -17,6 +17,10 @@ class FakeRunner:
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size
+        for src, dst in output.block_copies:  # copy on write, before anything is written
+            for offset in range(bs):
+                if (src, offset) in self.slots:
+                    self.slots[(dst, offset)] = self.slots[(src, offset)]
         for item in output.scheduled:  # write every new token first, as attention does
             for i, token in enumerate(item.token_ids):
                 pos = item.start_position + i

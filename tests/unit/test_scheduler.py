@@ -180,3 +180,54 @@ def _check_ownership(s: Scheduler, caching: bool) -> None:
     if not caching:
         owned = [b for t in cm.block_tables.values() for b in t]
         assert len(owned) == len(set(owned)), "a block is owned twice"
+
+
+def forked(rid: str, source: Request) -> Request:
+    return Request(rid, list(source.prompt_token_ids), source.sampling_params, fork_of=source.request_id)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_parallel_samples_share_prompt_blocks_and_copy_the_partial_one(caching):
+    s = make_scheduler(num_blocks=64, block_size=4, budget=64, caching=caching)
+    src = request("p", 10, 6)  # 2 full blocks + 2 tokens
+    s.add_request(src)
+    for i in (1, 2, 3):
+        s.add_request(forked(f"p-{i}", src))
+    assert s.stats().num_waiting == 4
+    runner = FakeRunner(4)
+    out = s.schedule()
+    assert [(x.request_id, x.num_tokens) for x in out.scheduled] == [("p", 10)]
+    s.update_from_output(out, runner.execute(out))
+    cm = s.cache_manager
+    # The siblings now share all 3 prompt blocks by reference.
+    assert [cm.pool.blocks[b].ref_cnt for b in cm.block_tables["p"]] == [4, 4, 4]
+    out = s.schedule()
+    # The source decodes; each sibling recomputes only the last prompt token.
+    assert [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled] == [
+        ("p", 1, 10), ("p-1", 1, 9), ("p-2", 1, 9), ("p-3", 1, 9),
+    ]  # fmt: skip
+    # Three of the four writers copy the shared partial block; the last one owns it alone.
+    assert [src_block for src_block, _ in out.block_copies] == [2, 2, 2]
+    tables = [cm.block_tables[r] for r in ("p", "p-1", "p-2", "p-3")]
+    assert all(t[:2] == [0, 1] for t in tables)
+    assert len({t[2] for t in tables}) == 4
+    assert cm.pool.num_used_blocks == 2 + 4
+    s.update_from_output(out, runner.execute(out))
+    cm.check_invariants()
+    outputs = run(s, runner, check=lambda sch: sch.cache_manager.check_invariants())
+    alone = make_scheduler(caching=caching)
+    alone.add_request(request("x", 10, 6))
+    expected = run(alone, FakeRunner(4))["x"]
+    assert outputs == {rid: expected for rid in ("p", "p-1", "p-2", "p-3")}
+    assert cm.num_free_blocks == 64
+
+
+def test_siblings_of_an_aborted_source_compute_their_own_prompt():
+    s = make_scheduler(block_size=4)
+    src = request("p", 10, 4)
+    s.add_request(src)
+    s.add_request(forked("p-1", src))
+    s.finish_request("p", RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in s.waiting] == ["p-1"]
+    outputs = run(s, FakeRunner(4))
+    assert len(outputs["p-1"]) == 4

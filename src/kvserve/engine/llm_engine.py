@@ -171,6 +171,7 @@ class LLMEngine:
                 sampling_params=self._child_params(params, i),
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                fork_of=child_ids[0] if i else None,
             )
             for i, child_id in enumerate(child_ids)
         ]

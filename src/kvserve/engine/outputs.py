@@ -33,6 +33,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # running decodes first, then prefills
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished since the previous step: runners drop state
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy first
 
     @property
     def num_scheduled_tokens(self) -> int:

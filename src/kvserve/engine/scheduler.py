@@ -11,6 +11,10 @@ preempted request all of them again); each step hands out `max_num_batched_token
 2. then waiting requests, in arrival order, while budget, `max_num_seqs` and blocks last;
    each first takes its longest cached prefix for free.
 
+Parallel sampling: siblings of a request (``fork_of``) wait until its prompt is computed, then
+share its prompt blocks by reference and recompute only the last prompt token (they need its
+logits to sample their own first token); the shared partial block is copied on write.
+
 Pure Python: the scheduler needs a SchedulerConfig and a KVCacheManager, nothing else.
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvserve.engine.outputs import ScheduledRequest, SchedulerOutput, SchedulerStats
-from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
 from kvserve.request import Request, RequestStatus, check_stop
 
 
@@ -40,6 +44,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._pending_forks: dict[str, list[Request]] = {}  # source id -> siblings
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -56,7 +61,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.fork_of in self.requests:
+            self._pending_forks.setdefault(request.fork_of, []).append(request)
+        else:
+            self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request (stop string, abort, or a stop token); frees its blocks at once."""
@@ -65,8 +73,12 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self._pending_forks[request.fork_of].remove(request)
+        # Siblings still waiting for this request's prompt compute it themselves.
+        self.waiting.extend(self._pending_forks.pop(request_id, []))
         request.status = status
         self.cache_manager.free(request_id)
         self._finished_ids.append(request_id)
@@ -95,7 +107,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, finished)
+        return SchedulerOutput(scheduled, preempted, finished, self.cache_manager.take_block_copies())
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str], preempted: list[str]
@@ -126,16 +138,22 @@ class Scheduler:
         cm = self.cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = cm.find_cached_prefix(request.request_id, request.all_token_ids)
-            num_new = min(request.num_tokens - cached.num_tokens, budget)
-            if cm.allocate_slots(request.request_id, cached.num_tokens, num_new, cached) is None:
-                cm.free(request.request_id)  # drop the hashes computed by the lookup
+            forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
+            cached = NO_PREFIX if forked else cm.find_cached_prefix(
+                request.request_id, request.all_token_ids
+            )
+            num_computed = request.num_computed_tokens if forked else cached.num_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            if cm.allocate_slots(request.request_id, num_computed, num_new, cached) is None:
+                if not forked:
+                    cm.free(request.request_id)  # drop the hashes computed by the lookup
                 break
             self.waiting.popleft()
-            cm.record_prefix_query(request.num_tokens, cached.num_tokens)
+            if not forked:
+                cm.record_prefix_query(request.num_tokens, cached.num_tokens)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = cached.num_tokens
-            request.num_computed_tokens = cached.num_tokens
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
@@ -171,6 +189,8 @@ class Scheduler:
             cm.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                self._fork_siblings(request)
             if not item.sample:
                 continue
             request.append_output_token(sampled_token_ids[item.request_id])
@@ -180,13 +200,21 @@ class Scheduler:
                 self.finish_request(request.request_id, status)
         return updated
 
+    def _fork_siblings(self, source: Request) -> None:
+        """Siblings share source's prompt blocks and go to the front of the waiting queue."""
+        siblings = self._pending_forks.pop(source.request_id, [])
+        for sibling in reversed(siblings):
+            self.cache_manager.fork(source.request_id, sibling.request_id, source.num_prompt_tokens)
+            sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
+            self.waiting.appendleft(sibling)
+
     def stats(self) -> SchedulerStats:
         cm = self.cache_manager
         held = sum(r.num_computed_tokens for r in self.running)
         slots = sum(cm.num_blocks_of(r.request_id) for r in self.running) * cm.block_size
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + sum(map(len, self._pending_forks.values())),
             kv_cache_usage=cm.usage,
             num_free_blocks=cm.num_free_blocks,
             num_preemptions=self.num_preemptions,

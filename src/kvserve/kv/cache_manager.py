@@ -11,6 +11,9 @@ One request's tokens and blocks (block_size 4):
 * ``allocate_slots`` grows the table to hold ``num_computed + num_new`` tokens: all or nothing.
 * ``cache_full_blocks`` hashes blocks that became full once their tokens were computed.
 * ``free`` drops the request's references, tail first, so chain tails are evicted first.
+* ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
+  a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
+  and queues the (src, dst) copy for the runner (``take_block_copies``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,18 +101,50 @@ class KVCacheManager:
         table = self.block_tables.get(request_id, [])
         assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
         num_needed = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size)
-        num_new_blocks = num_needed - len(table) - len(cached.block_ids)
-        if num_new_blocks > self.pool.num_free_after_touch(cached.block_ids):
+        num_new_blocks = max(0, num_needed - len(table) - len(cached.block_ids))
+        shared = self._shared_block_index(table, num_computed_tokens)
+        num_copies = int(shared is not None)
+        if num_new_blocks + num_copies > self.pool.num_free_after_touch(cached.block_ids):
             return None
         if cached.block_ids:
             self.pool.touch(cached.block_ids)
-        new_block_ids = self.pool.allocate(max(0, num_new_blocks))
+        if shared is not None:
+            self._copy_on_write(table, shared)
+        new_block_ids = self.pool.allocate(num_new_blocks)
         if request_id not in self.block_tables:
             self.block_tables[request_id] = table
             self._num_cached_blocks[request_id] = len(cached.block_ids)
         table.extend(cached.block_ids)
         table.extend(new_block_ids)
         return new_block_ids
+
+    def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
+        """Index in `table` of the block the next token goes into, if other tables share it."""
+        index = num_computed_tokens // self.block_size
+        if index < len(table) and self.pool.blocks[table[index]].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, table: list[int], index: int) -> None:
+        [private] = self.pool.allocate(1)
+        self._block_copies.append((table[index], private))
+        self.pool.free([table[index]])
+        table[index] = private
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies the runner must do before this step's forward pass."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
+
+    def fork(self, src_request_id: str, dst_request_id: str, num_tokens: int) -> None:
+        """Give `dst` (no table yet) references to the blocks holding src's first `num_tokens`
+        tokens.  Shared partial blocks are copied when either side next writes to them."""
+        assert dst_request_id not in self.block_tables
+        blocks = self.block_tables[src_request_id][: math.ceil(num_tokens / self.block_size)]
+        self.pool.touch(blocks)
+        self.block_tables[dst_request_id] = list(blocks)
+        num_cached = min(self._num_cached_blocks[src_request_id], num_tokens // self.block_size)
+        self._num_cached_blocks[dst_request_id] = num_cached
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_caching:

@@ -40,6 +40,12 @@ class LayerKVCache:
             else:
                 flat[slot_mapping] = x.to(cache.dtype)
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] (copy on write of shared blocks)."""
+        for t in (self.key, self.value, self.key_scale, self.value_scale):
+            if t is not None:
+                t[dst] = t[src]
+
     def gather(
         self, block_ids: torch.Tensor, out_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,6 +110,10 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self._generators.pop(request_id, None)
+        if output.block_copies:
+            src, dst = torch.tensor(output.block_copies, device=self.device).unbind(1)
+            for cache in self.kv_caches:
+                cache.copy_blocks(src, dst)
         if not output.scheduled:
             return ModelRunnerOutput({})
         # Decodes first: the attention backend batches them in one call.
