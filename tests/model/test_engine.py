@@ -116,3 +116,21 @@ def test_too_long_request_is_rejected_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         llm.generate(["x " * 600], SamplingParams(max_tokens=10))
     assert llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=2))[0].finished
+
+
+def test_planner_agrees_with_the_engine_start_up_log(llm):
+    from kvserve.models.loader import embedded_model_path
+    from kvserve.planner import PlanInputs, make_plan
+    from kvserve.planner.readers import load_model_shape
+
+    shape = load_model_shape(str(embedded_model_path()))
+    inputs = PlanInputs(
+        gpu_name="host", gpu_memory=2**30, context_len=512, weight_dtype="float32",
+        kv_cache_memory=96 * 2**20,
+    )  # fmt: skip
+    auto = next(d for d in make_plan(shape, inputs).dtypes if d.kv_cache_dtype == "auto")
+    sizing = llm.engine.sizing
+    assert auto.num_blocks == sizing.num_blocks
+    assert auto.max_concurrency == sizing.max_concurrency
+    assert f"{auto.num_blocks:,} blocks" in sizing.summary()
+    assert f"max concurrency at 512 tokens: {auto.max_concurrency:.1f}x" in sizing.summary()

@@ -71,6 +71,7 @@ class LLMEngine:
         self.dtype = platform.resolve_dtype(
             config.load.dtype, self.device, checkpoint.config.torch_dtype
         )
+        self._check_swap_space()
         self.tokenizer = load_tokenizer(checkpoint.path)
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -88,6 +89,19 @@ class LLMEngine:
         self._log_startup(time.monotonic() - started)
 
     # ----------------------------------------------------------------- start-up
+    def _check_swap_space(self) -> None:
+        if self.config.cache.swap_space <= 0:
+            return
+        if self.device.type == "cpu":
+            raise ValueError(
+                "--swap-space: on a CPU the KV cache already lives in host memory, so there is "
+                "nothing to swap to; drop the flag (preempted requests are recomputed)"
+            )
+        raise ValueError(
+            "--swap-space: swapping to host memory is not implemented yet; drop the flag "
+            "(preempted requests are recomputed, their full blocks mostly hit the prefix cache)"
+        )
+
     def _resolve_max_model_len(self) -> int:
         native = self.model_config.max_position_embeddings
         requested = self.config.scheduler.max_model_len

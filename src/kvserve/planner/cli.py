@@ -66,6 +66,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Fraction of GPU memory for weights + KV cache (default 0.9).",
     )
     parser.add_argument(
+        "--kv-cache-memory",
+        metavar="SIZE",
+        default=None,
+        help="KV budget given directly, as `kvserve serve --kv-cache-memory` (skips GPU math).",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
@@ -108,6 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
             batch_size=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
             block_size=args.block_size, weight_dtype=args.dtype,
+            kv_cache_memory=_optional_size(args.kv_cache_memory),
         )  # fmt: skip
         plan = make_plan(shape, inputs)
         if args.plot is not None:
@@ -119,6 +126,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot is not None and not args.json:
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _optional_size(text: str | None) -> int | None:
+    return None if text is None else parse_size(text)
 
 
 def _gpu(name: str | None, memory: str | None) -> GPU:

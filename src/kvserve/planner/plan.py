@@ -11,6 +11,7 @@ out somewhat lower than the planner's.  Pass the engine's logged KV memory to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -164,6 +165,7 @@ class PlanInputs:
     tensor_parallel_size: int = 1
     block_size: int = 16
     weight_dtype: str = "auto"
+    kv_cache_memory: int | None = None  # as the engine's flag: the KV budget, given directly
 
     def __post_init__(self) -> None:
         # CacheConfig owns the rules (and flag-naming messages) for these three.
@@ -172,6 +174,8 @@ class PlanInputs:
             kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise PlanError("--kv-cache-memory must be positive, e.g. 512MiB")
         if self.gpu_memory <= 0:
             raise PlanError(f"--memory must be positive, e.g. 80GiB (got {self.gpu_memory})")
         for flag, value in (
@@ -185,6 +189,9 @@ class PlanInputs:
 
 def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
     """Compute the plan: weights per GPU, the KV budget, and each KV dtype's capacity."""
+    if inputs.weight_dtype in ("float32", "bfloat16", "float16"):
+        # As in the engine, --dtype sets the compute dtype, which `--kv-cache-dtype auto` follows.
+        shape = dataclasses.replace(shape, torch_dtype=inputs.weight_dtype)
     context_len = inputs.context_len or shape.max_position_embeddings
     if context_len is None:
         raise PlanError(
@@ -194,7 +201,7 @@ def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
     total_weights = weight_bytes(shape, inputs.weight_dtype)
     per_gpu = weight_bytes_per_gpu(total_weights, tp)
     usable = math.floor(Fraction(str(inputs.gpu_memory_utilization)) * inputs.gpu_memory)
-    budget = usable - per_gpu
+    budget = usable - per_gpu if inputs.kv_cache_memory is None else inputs.kv_cache_memory
     selected = "fp8_e4m3" if inputs.kv_cache_dtype == "fp8" else inputs.kv_cache_dtype
     dtypes = tuple(
         _dtype_plan(

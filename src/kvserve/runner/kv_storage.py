@@ -57,6 +57,8 @@ class LayerKVCache:
                 data = quant.dequantize(
                     data, None if scales is None else scales[block_ids], self.kv_dtype, out_dtype
                 )
+            else:
+                data = data.to(out_dtype)  # no-op when the cache holds the compute dtype
             out.append(data.flatten(-4, -3))
         return out[0], out[1]
 

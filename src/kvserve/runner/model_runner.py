@@ -6,6 +6,7 @@ It reads the scheduler output and never decides who runs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ def build_batch_input(
     slots = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     sampling_rows = [i for i, r in enumerate(requests) if r.sample]
     logits_indices = query_start_loc[1:][sampling_rows] - 1
-    input_ids = [t for r in requests for t in r.token_ids]
+    input_ids = list(itertools.chain.from_iterable(r.token_ids for r in requests))
     return BatchInput(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=positions.to(device),
