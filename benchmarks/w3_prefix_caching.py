@@ -46,7 +46,9 @@ def run_once(caching: bool, prompts: list[list[int]], output_len: int, kv_bytes:
         "duration_s": duration,
         "output_tokens_per_s": len(prompts) * output_len / duration,
         "prefix_cache_hit_rate": (
-            stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0
+            stats.prefix_cache_hits / stats.prefix_cache_queries
+            if stats.prefix_cache_queries
+            else 0
         ),
     }
 

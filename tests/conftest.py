@@ -31,7 +31,9 @@ def tiny_hf_config(arch: str):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
             "rope_theta": 500000.0,
         }  # fmt: skip
-        return LlamaConfig(**TINY, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False)
+        return LlamaConfig(
+            **TINY, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False
+        )
     if arch == "qwen2":
         return Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1e6)
     if arch == "mistral":

@@ -48,7 +48,9 @@ def forward_logits(
 
 def run_in_chunks(model, token_ids: list[int], chunk_size: int, block_size: int = 4):
     """Prefill `token_ids` in chunks of `chunk_size` into a fresh cache; all logits [L, V]."""
-    caches = make_caches(model, num_blocks=-(-len(token_ids) // block_size) + 1, block_size=block_size)
+    caches = make_caches(
+        model, num_blocks=-(-len(token_ids) // block_size) + 1, block_size=block_size
+    )
     table = list(range(-(-len(token_ids) // block_size)))
     out = []
     for start in range(0, len(token_ids), chunk_size):
@@ -65,5 +67,7 @@ def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
     tokens = []
     for _ in range(num_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(
+            torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+        )
     return tokens

@@ -64,8 +64,7 @@ class CacheConfig:
     kv_cache_memory: int | None = field(
         default=None,
         metadata=_help(
-            "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides "
-            "--gpu-memory-utilization.",
+            "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides --gpu-memory-utilization.",
             parse="size",
         ),
     )
@@ -85,9 +84,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"--block-size must be a positive power of two, got {self.block_size}"
-            )
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-
 from helpers import run_in_chunks
+
 from kvserve.models.gguf_loader import unpermute_qk
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import ModelLoadError, load_checkpoint
@@ -24,7 +24,9 @@ NAMES = {
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to q/k rows (the inverse of our unpermute_qk)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(path, hf_model, quant: GGMLQuantizationType, arch: str = "llama") -> None:
@@ -97,7 +99,9 @@ def test_q8_0_gguf_loads_within_quantization_error(tmp_path, tiny_model_dir):
     absmax = hf_q.abs().max().item()
     bound = absmax / 254 + absmax / 2048
     assert (ours_q - hf_q).abs().max().item() <= bound
-    model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM.from_weights(
+        ckpt.config, ckpt.weights, torch.float32, torch.device("cpu")
+    )
     tokens = list(range(100, 140))
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
@@ -113,7 +117,9 @@ def test_unsupported_architecture_is_named(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'phi2'; supported: llama, qwen2"):
+    with pytest.raises(
+        ModelLoadError, match="unsupported GGUF architecture 'phi2'; supported: llama, qwen2"
+    ):
         load_checkpoint(str(path))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import chunk, forward_logits, make_caches, run_in_chunks
+
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
 
@@ -17,7 +17,9 @@ TOKENS = [(i * 7919) % 40000 + 5 for i in range(45)]  # 45 tokens: crosses 11 bl
 def model(tiny_model_dir):
     directory, _ = tiny_model_dir("llama3")
     ckpt = load_checkpoint(str(directory))
-    return LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"))
+    return LlamaForCausalLM.from_weights(
+        ckpt.config, ckpt.weights, torch.float32, torch.device("cpu")
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [7, 1, 4, 16])
@@ -43,7 +45,9 @@ def test_mixed_decode_and_prefill_batch(model):
     """Decodes of two sequences share a step with a prefill chunk of a third."""
     caches = make_caches(model, num_blocks=30, block_size=4)
     ta, tb = [0, 1, 2], [3, 4, 5, 6, 7, 8]  # 11 and 21 tokens at block size 4
-    forward_logits(model, caches, 4, [chunk("a", TOKENS[:10], 0, ta), chunk("b", TOKENS[10:30], 0, tb)])
+    forward_logits(
+        model, caches, 4, [chunk("a", TOKENS[:10], 0, ta), chunk("b", TOKENS[10:30], 0, tb)]
+    )
     step = forward_logits(
         model, caches, 4,
         [chunk("a", TOKENS[10:11], 10, ta), chunk("b", TOKENS[30:31], 20, tb),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import hf_greedy, run_in_chunks
+
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import embedded_model_path, load_checkpoint
@@ -35,7 +35,9 @@ def hf_model():
 @pytest.fixture(scope="module")
 def ours():
     ckpt = load_checkpoint(None)
-    return LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, torch.float32, torch.device("cpu"))
+    return LlamaForCausalLM.from_weights(
+        ckpt.config, ckpt.weights, torch.float32, torch.device("cpu")
+    )
 
 
 def test_logits_match_transformers(hf_model, ours, embedded_tokenizer):
@@ -55,4 +57,3 @@ def test_64_greedy_tokens_match_transformers(hf_model, embedded_tokenizer):
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         ids = embedded_tokenizer.encode(prompt)
         assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, 64), prompt
-

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import hf_greedy, run_in_chunks
+
 from kvserve import LLM, SamplingParams
-from kvserve.models.loader import load_checkpoint
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_checkpoint
 
 ARCHS = ["llama3", "qwen2", "mistral"]
 PROMPT = [1, 504, 3224, 282, 4649, 314, 5483, 30, 2] + list(range(1000, 1130, 3))  # 53 tokens
@@ -44,7 +44,12 @@ def test_model_config_read_from_config_json(tiny_model_dir):
     directory, _ = tiny_model_dir("llama3")
     config = load_checkpoint(str(directory)).config
     assert config.architecture == "llama"
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        2,
+        4,
+        2,
+        16,
+    )
     assert config.rope_scaling["rope_type"] == "llama3"
     assert config.rope_theta == 500000.0
     qwen = load_checkpoint(str(tiny_model_dir("qwen2")[0])).config

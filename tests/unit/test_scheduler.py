@@ -6,10 +6,10 @@ import math
 import random
 
 import pytest
+from fake_runner import FakeRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_runner import FakeRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus, SamplingParams
@@ -25,7 +25,9 @@ def request(rid: str, prompt_len: int, max_tokens: int, offset: int = 0) -> Requ
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
-def run(scheduler: Scheduler, runner: FakeRunner, check=None, max_steps=10_000) -> dict[str, list[int]]:
+def run(
+    scheduler: Scheduler, runner: FakeRunner, check=None, max_steps=10_000
+) -> dict[str, list[int]]:
     """Step until every request finished; returns output tokens by request id."""
     tracked = dict(scheduler.requests)
     for _ in range(max_steps):
@@ -70,7 +72,10 @@ def test_max_num_seqs_caps_the_batch():
 
 def test_request_that_can_never_fit_is_rejected_at_submission():
     s = make_scheduler(max_len=64)
-    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds max_model_len \(64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds max_model_len \(64\)",
+    ):
         s.add_request(request("x", 60, 10))
     assert not s.has_unfinished_requests()
     with pytest.raises(ValueError, match="at least one token"):
@@ -88,7 +93,11 @@ def test_preemption_keeps_outputs_identical_and_frees_everything(caching):
     s = make_scheduler(num_blocks=24, budget=64, caching=caching)  # ~2-3 sequences' worth
     for rid, n, m in reqs:
         s.add_request(request(rid, n, m, offset=len(rid) * 7 + n))
-    outputs = run(s, FakeRunner(s.cache_manager.block_size), check=lambda sch: sch.cache_manager.check_invariants())
+    outputs = run(
+        s,
+        FakeRunner(s.cache_manager.block_size),
+        check=lambda sch: sch.cache_manager.check_invariants(),
+    )
     assert s.num_preemptions > 0
     assert outputs == alone
     assert s.cache_manager.num_free_blocks == 24
@@ -146,7 +155,9 @@ def test_kv_waste_of_a_long_tailed_mix_is_exact_and_under_4_percent():
         min_size=1, max_size=12,
     ),
 )  # fmt: skip
-def test_invariants_hold_after_every_step(block_size, extra_blocks, budget, max_seqs, caching, arrivals):
+def test_invariants_hold_after_every_step(
+    block_size, extra_blocks, budget, max_seqs, caching, arrivals
+):
     max_len = 64
     num_blocks = math.ceil(max_len / block_size) + extra_blocks
     s = make_scheduler(num_blocks, block_size, budget, max_seqs, max_len, caching)
@@ -183,7 +194,9 @@ def _check_ownership(s: Scheduler, caching: bool) -> None:
 
 
 def forked(rid: str, source: Request) -> Request:
-    return Request(rid, list(source.prompt_token_ids), source.sampling_params, fork_of=source.request_id)
+    return Request(
+        rid, list(source.prompt_token_ids), source.sampling_params, fork_of=source.request_id
+    )
 
 
 @pytest.mark.parametrize("caching", [True, False])

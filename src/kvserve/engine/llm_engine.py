@@ -108,7 +108,9 @@ class LLMEngine:
         if requested is None:
             return native
         if requested > native:
-            logger.warning("--max-model-len %d exceeds the model's context length %d", requested, native)
+            logger.warning(
+                "--max-model-len %d exceeds the model's context length %d", requested, native
+            )
         return requested
 
     def _size_kv_cache(self) -> KVCacheSizing:
@@ -177,7 +179,9 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        )
         children = [
             Request(
                 request_id=child_id,

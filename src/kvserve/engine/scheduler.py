@@ -107,7 +107,9 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, finished, self.cache_manager.take_block_copies())
+        return SchedulerOutput(
+            scheduled, preempted, finished, self.cache_manager.take_block_copies()
+        )
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str], preempted: list[str]
@@ -116,9 +118,7 @@ class Scheduler:
         Returns False when `request` itself had to be preempted."""
         cm = self.cache_manager
         while cm.allocate_slots(request.request_id, request.num_computed_tokens, num_new) is None:
-            victim = next(
-                (r for r in reversed(self.running) if r.request_id not in done), request
-            )
+            victim = next((r for r in reversed(self.running) if r.request_id not in done), request)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
@@ -139,8 +139,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
-            cached = NO_PREFIX if forked else cm.find_cached_prefix(
-                request.request_id, request.all_token_ids
+            cached = (
+                NO_PREFIX
+                if forked
+                else cm.find_cached_prefix(request.request_id, request.all_token_ids)
             )
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
@@ -222,4 +224,3 @@ class Scheduler:
             prefix_cache_hits=cm.prefix_stats.hits,
             kv_waste=1.0 - held / slots if slots else 0.0,
         )
-

@@ -29,4 +29,6 @@ def extend_block_hashes(
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key))
+        hashes.append(
+            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
+        )

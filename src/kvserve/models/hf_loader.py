@@ -53,7 +53,9 @@ def _split_layers(
                 key = f"{prefix}{hf_name}.{kind}"
                 if key in tensors:
                     pieces[f"{piece}.{kind}"] = tensors[key]
-        missing = [p for p in ("q", "k", "v", "o", "gate", "up", "down") if p + ".weight" not in pieces]
+        missing = [
+            p for p in ("q", "k", "v", "o", "gate", "up", "down") if p + ".weight" not in pieces
+        ]
         if missing:
             raise ModelLoadError(f"layer {i} lacks weights for {', '.join(missing)}")
         yield i, pieces

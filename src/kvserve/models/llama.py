@@ -115,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
         device: torch.device,
     ) -> LlamaForCausalLM:
         """Build on the meta device (no random init), then take the given weights."""
@@ -144,5 +147,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = (
+            self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        )
         return F.linear(hidden, weight).float()

@@ -91,15 +91,16 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = normalize_architecture(archs[0])
     if arch is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"unsupported architecture {archs[0]!r}; supported: {supported}")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in cfg:
             raise ModelLoadError(f"config.json lacks the field {key!r}")
     num_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling here
-    rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope_scaling = cfg.get("rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else None
+    )
     max_len = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if window and window < max_len:

@@ -18,8 +18,8 @@ from kvserve.engine.outputs import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from kvserve.runner.kv_storage import LayerKVCache
 from kvserve.request import SamplingParams
+from kvserve.runner.kv_storage import LayerKVCache
 from kvserve.sampling import SamplingBatch, sample
 
 
@@ -53,7 +53,9 @@ def build_batch_input(
     block_tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
     for row, r in enumerate(requests):
         block_tables[row, : len(r.block_table)] = torch.tensor(r.block_table)
-    slots = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    slots = (
+        block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    )
     sampling_rows = [i for i, r in enumerate(requests) if r.sample]
     logits_indices = query_start_loc[1:][sampling_rows] - 1
     input_ids = list(itertools.chain.from_iterable(r.token_ids for r in requests))
@@ -121,7 +123,9 @@ class ModelRunner:
         requests = sorted(output.scheduled, key=lambda r: r.num_tokens > 1)
         batch = build_batch_input(requests, self.block_size, self.device)
         metadata = build_attention_metadata(batch, self.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend)
+        hidden = self.model(
+            batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
+        )
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput({})
@@ -167,8 +171,10 @@ class ModelRunner:
             k = r.sampling_params.logprobs
             if k is None:
                 continue
-            top = logprobs[row].topk(k) if k else None
-            top_pairs = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+            top_pairs: list[tuple[int, float]] = []
+            if k:
+                top = logprobs[row].topk(k)
+                top_pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             out[r.request_id] = TokenLogprobs(token_id, float(logprobs[row, token_id]), top_pairs)
         return out
 
