@@ -89,8 +89,3 @@ class TorchRefBackend:
         )
         return out.transpose(0, 1)
 
-
-def build_prefill_span(
-    query_start: int, query_end: int, seq_len: int, block_table: torch.Tensor
-) -> PrefillSpan:
-    return PrefillSpan(query_start, query_end, seq_len, block_table)
