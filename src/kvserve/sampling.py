@@ -40,7 +40,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         return cls(
             temperature=torch.tensor(
                 [1.0 if p.greedy else p.temperature for p in params], device=device

@@ -135,7 +135,8 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     """Bind, load the engine, serve until SIGTERM/SIGINT; 0 after a clean shutdown.
 
     ValueError (bad flag, port in use, KV cache too small) reaches the CLI as a one-line
-    error.  The port is bound before the model loads, so a busy port fails in a second."""
+    error.  The port is taken before the model loads, so a busy port fails in a second;
+    connections made while loading wait in the listen backlog."""
     import uvicorn
 
     from kvserve.engine.llm_engine import LLMEngine
@@ -187,6 +188,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)  # claim the port now: a second server fails here, not after loading
     except OSError as exc:
         raise ValueError(
             f"--host/--port: cannot listen on {host}:{port} ({exc}); pick another --port"

@@ -41,7 +41,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     group.add_argument(
         "--api-key",
-        default=os.environ.get("KVSERVE_API_KEY"),
+        default=os.environ.get("KVSERVE_API_KEY") or None,
         help="Require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
         "(or set KVSERVE_API_KEY).",
     )

@@ -118,10 +118,15 @@ class ServingContext:
 
 
 def sampling_params(
-    request: SamplingRequest, max_tokens: int, logprobs: int | None, renames: dict[str, str]
+    request: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    renames: dict[str, str],
+    vocab_size: int,
 ) -> SamplingParams:
     """SamplingParams from the shared fields; ValueError becomes a 400 naming the field as
-    the client spelled it (`renames` maps SamplingParams names to request names)."""
+    the client spelled it (`renames` maps SamplingParams names to request names).  top_k is
+    capped at the vocabulary size, where it means "no top-k" anyway."""
     _reject_unsupported(request)
     if request.seed is not None and not INT64_MIN <= request.seed <= INT64_MAX:
         raise APIError(f"seed must be a 64-bit integer, got {request.seed}", "seed")
@@ -131,7 +136,7 @@ def sampling_params(
             n=1 if request.n is None else request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
+            top_k=0 if request.top_k is None else min(request.top_k, vocab_size),
             min_p=0.0 if request.min_p is None else request.min_p,
             seed=request.seed,
             max_tokens=max_tokens,

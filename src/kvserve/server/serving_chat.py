@@ -83,7 +83,9 @@ class ChatHandler:
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(1, ctx.max_model_len - len(token_ids))
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, top, renames={"logprobs": "top_logprobs"})
+        params = sampling_params(
+            body, max_tokens, top, {"logprobs": "top_logprobs"}, ctx.vocab_size
+        )
         ctx.check_fits(len(token_ids), max_tokens, "messages", max_field)
         request_id = new_id("chatcmpl")
         stream = await ctx.start(request_id, token_ids, params)

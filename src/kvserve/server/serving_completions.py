@@ -58,7 +58,7 @@ class CompletionsHandler:
         _reject_unsupported(body)
         prompts = self._prompts(body)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, body.logprobs, renames={})
+        params = sampling_params(body, max_tokens, body.logprobs, {}, ctx.vocab_size)
         for prompt in prompts:
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
         request_id = new_id("cmpl")

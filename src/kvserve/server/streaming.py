@@ -81,7 +81,7 @@ class SSEResponse(StreamingResponse):
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`, cancelling it if the client disconnects first (then None).  A non-streaming
     request whose client left is aborted instead of generating for nobody."""
-    task = asyncio.ensure_future(work)
+    task = asyncio.ensure_future(_awaited(work))  # a Task: cancelling it retrieves `work`'s end
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -90,6 +90,10 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
         if not task.done():  # the client left (or this handler was cancelled): abort
             task.cancel()
     return task.result() if task.done() else None
+
+
+async def _awaited(work: Awaitable[T]) -> T:
+    return await work
 
 
 async def _wait_for_disconnect(request: Request) -> None:

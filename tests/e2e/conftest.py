@@ -1,0 +1,27 @@
+"""Each test module starts one server (module-scoped fixture): a start costs ~12 s of model
+loading, so modules share what they can."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from e2e_server import ServerProcess, launch_server
+
+
+@pytest.fixture(scope="module")
+def server_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., ServerProcess]]:
+    """Yields `launch`, which starts servers that are all stopped when the module ends."""
+    started: list[ServerProcess] = []
+    log_dir = tmp_path_factory.mktemp("kvserve-e2e")
+
+    def launch(*extra_args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        server = launch_server(log_dir, *extra_args, env=env)
+        started.append(server)
+        return server
+
+    yield launch
+    for server in started:
+        server.stop()

@@ -1,0 +1,133 @@
+"""AsyncLLM against a fake engine (no model, milliseconds): outputs reach the right request,
+a rejected request leaves nothing behind, leaving early aborts, a failing step ends every
+stream with EngineDeadError instead of hanging it.  The server's e2e tests cover the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
+from kvserve.engine.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from kvserve.request import SamplingParams
+
+
+class FakeEngine:
+    """One token per step per request (token = step count); asserts it runs on one thread."""
+
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        self.requests: dict[str, tuple[list[int], int]] = {}  # id -> (tokens, max_tokens)
+        self.aborted: list[str] = []
+        self.fail_at_step = fail_at_step
+        self.num_steps = 0
+        self.threads: set[int] = set()
+
+    def _touch(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self._touch()
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        self.requests[request_id] = ([], params.max_tokens or 1)
+
+    def abort_request(self, request_id: str) -> None:
+        self._touch()
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0.0)
+
+    def step(self) -> list[RequestOutput]:
+        self._touch()
+        self.num_steps += 1
+        if self.num_steps == self.fail_at_step:
+            raise RuntimeError("injected failure")
+        outputs = []
+        for request_id, (tokens, max_tokens) in list(self.requests.items()):
+            tokens.append(self.num_steps)
+            done = len(tokens) >= max_tokens
+            completion = CompletionOutput(0, "", list(tokens), "length" if done else None)
+            outputs.append(RequestOutput(request_id, None, [1], [completion], done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+def run_with(engine: FakeEngine, scenario) -> None:
+    llm = AsyncLLM(engine)  # type: ignore[arg-type]
+    llm.start()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(llm), timeout=10))
+    finally:
+        llm.shutdown()
+
+
+def test_concurrent_requests_get_their_own_outputs():
+    engine = FakeEngine()
+
+    async def scenario(llm: AsyncLLM) -> None:
+        async def one(request_id: str, max_tokens: int) -> list[int]:
+            last = None
+            async for output in llm.generate(
+                request_id, [1], SamplingParams(max_tokens=max_tokens)
+            ):
+                last = output
+            assert last is not None and last.finished and last.request_id == request_id
+            return last.outputs[0].token_ids
+
+        lengths = [1, 3, 5, 8]
+        results = await asyncio.gather(*(one(f"r{n}", n) for n in lengths))
+        assert [len(r) for r in results] == lengths
+
+    run_with(engine, scenario)
+    assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+    assert engine.aborted == []
+
+
+def test_rejected_request_raises_and_leaves_nothing():
+    engine = FakeEngine()
+
+    async def scenario(llm: AsyncLLM) -> None:
+        with pytest.raises(ValueError, match="empty"):
+            await llm.add_request("bad", [], SamplingParams())
+        assert llm._streams == {}  # noqa: SLF001 - engine-thread state, quiescent here
+
+    run_with(engine, scenario)
+    assert engine.requests == {}
+
+
+def test_leaving_a_stream_early_aborts_the_request():
+    engine = FakeEngine()
+
+    async def scenario(llm: AsyncLLM) -> None:
+        stream = await llm.add_request("long", [1], SamplingParams(max_tokens=10_000))
+        async with stream:
+            await stream.__anext__()
+        for _ in range(100):
+            if "long" in engine.aborted:
+                return
+            await asyncio.sleep(0.01)
+
+    run_with(engine, scenario)
+    assert engine.aborted == ["long"] and engine.requests == {}
+
+
+def test_a_failing_step_ends_streams_with_engine_dead_error():
+    engine = FakeEngine(fail_at_step=3)
+
+    async def scenario(llm: AsyncLLM) -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate("r", [1], SamplingParams(max_tokens=100)):
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("later", [1], SamplingParams())
+
+    run_with(engine, scenario)
