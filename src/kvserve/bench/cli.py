@@ -1,0 +1,79 @@
+"""`kvserve bench serve`: flags generated from BenchConfig and DatasetConfig (one field, one
+flag, one help text), then run, print the table, save the JSON and draw the plot."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import MISSING, fields
+from typing import Any
+
+from kvserve.bench.config import BenchConfig, DatasetConfig
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`kvserve bench` with its subcommands; each sets func(args) -> exit code."""
+    bench = subparsers.add_parser("bench", help="Benchmark a running server.")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
+        "and the KV-usage timeline from /metrics.",
+    )
+    _add_fields(serve.add_argument_group("dataset"), DatasetConfig)
+    _add_fields(serve.add_argument_group("benchmark"), BenchConfig)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
+def _add_fields(group: argparse._ArgumentGroup, cls: type) -> None:
+    for f in fields(cls):
+        if "help" not in f.metadata:
+            continue  # a nested config, added by its own call
+        meta = f.metadata
+        kwargs: dict[str, Any] = {"help": meta["help"], "default": f.default}
+        text = str(f.type)
+        if text == "bool":
+            kwargs["action"] = "store_true"
+        elif "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
+        elif "float" in text:
+            kwargs["type"] = float
+        elif "int" in text:
+            kwargs["type"] = int
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        if f.default is MISSING:
+            kwargs.pop("default")
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """ValueError (naming the flag) for bad values."""
+    dataset = DatasetConfig(**{f.name: getattr(args, f.name) for f in fields(DatasetConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(BenchConfig) if f.name != "dataset"}
+    values["goodput"] = tuple(values["goodput"] or ())
+    return BenchConfig(dataset=dataset, **values)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvserve.bench.plot import plot_timeline
+    from kvserve.bench.report import format_table, save_json, to_json
+    from kvserve.bench.runner import bench_serve
+
+    config = config_from_args(args)
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    print(
+        f"kvserve bench serve: {config.dataset.num_prompts} {config.dataset.dataset_name} "
+        f"requests to {config.api_url} at {rate} req/s",
+        flush=True,
+    )
+    result = bench_serve(config)
+    print(format_table(result), flush=True)
+    if config.save_result:
+        print(f"result saved to {save_json(result)}")
+    if config.plot:
+        print(f"timeline drawn into {plot_timeline(to_json(result), config.plot)}")
+    failed = [r.error for r in result.records if not r.success]
+    if failed:
+        print(f"{len(failed)} requests failed; first error: {failed[0]}")
+    return 0 if result.metrics.completed > 0 else 1

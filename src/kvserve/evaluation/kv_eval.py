@@ -1,0 +1,173 @@
+"""Compare KV cache dtypes on one model: perplexity and greedy agreement per dtype.
+
+The model is loaded once; each dtype gets its own freshly allocated cache.  The first dtype
+of the list is the reference the others are compared with (`auto` by default: the model's
+own dtype, i.e. an unquantized cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.evaluation import greedy, perplexity
+from kvserve.evaluation.paged import allocate_cache, make_spec
+from kvserve.models.loader import load_checkpoint
+from kvserve.models.registry import get_model_class
+from kvserve.runner import platform
+from kvserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    context_len: int = 512
+    chunk_size: int = 32
+    num_prompts: int = 8
+    prompt_len: int = 64
+    max_tokens: int = 32
+    max_eval_tokens: int = 20480  # 0: the whole text
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("context_len", "chunk_size", "prompt_len", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        for name in ("num_prompts", "max_tokens", "max_eval_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+@dataclass(frozen=True)
+class KVDtypeResult:
+    kv_dtype: str  # as given (auto, fp8, ...)
+    storage_dtype: str  # resolved (float32, fp8_e4m3, ...)
+    bytes_per_token: int
+    perplexity: float
+    num_predicted: int
+    relative_perplexity: float  # perplexity / reference perplexity - 1
+    agreement: float  # share of identical greedy tokens, position by position
+    mean_identical_prefix: float
+    num_prompts_identical: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """The engine's model loading, without the scheduler or a sized cache."""
+    platform.set_cpu_threads()
+    checkpoint = load_checkpoint(config.load.model)
+    device = platform.resolve_device(config.load.device)
+    dtype = platform.resolve_dtype(config.load.dtype, device, checkpoint.config.torch_dtype)
+    model_cls = get_model_class(checkpoint.config.architecture)
+    model = model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device)
+    tokenizer = load_tokenizer(checkpoint.path)
+    return LoadedModel(model, checkpoint.config, tokenizer, dtype, device, checkpoint.name)
+
+
+def sample_prompts(token_ids: list[int], num_prompts: int, prompt_len: int) -> list[list[int]]:
+    """`num_prompts` slices of `prompt_len` tokens at evenly spaced offsets of the text."""
+    if num_prompts == 0:
+        return []
+    if len(token_ids) < prompt_len:
+        raise ValueError(f"the text has {len(token_ids)} tokens, fewer than --prompt-len")
+    span = len(token_ids) - prompt_len
+    offsets = [span * i // max(1, num_prompts - 1) for i in range(num_prompts)]
+    return [token_ids[o : o + prompt_len] for o in offsets]
+
+
+def evaluate_kv_dtypes(
+    loaded: LoadedModel, token_ids: list[int], kv_dtypes: list[str], settings: EvalSettings
+) -> list[KVDtypeResult]:
+    """Perplexity and greedy agreement for each dtype; the first one is the reference."""
+    if not kv_dtypes:
+        raise ValueError("--kv-cache-dtypes: give at least one KV dtype")
+    for kv_dtype in kv_dtypes:
+        make_spec(loaded.config, kv_dtype, loaded.dtype, settings.block_size)  # validates
+    _check_lengths(loaded.config, settings)
+    limit = settings.max_eval_tokens or len(token_ids)
+    ppl_tokens = token_ids[:limit]
+    prompts = sample_prompts(token_ids, settings.num_prompts, settings.prompt_len)
+    results: list[KVDtypeResult] = []
+    reference_tokens: list[list[int]] = []
+    for kv_dtype in kv_dtypes:
+        started = time.monotonic()
+        ppl = _perplexity(loaded, kv_dtype, ppl_tokens, settings)
+        generated = _generate(loaded, kv_dtype, prompts, settings)
+        if not results:
+            reference_tokens = generated
+        agreement = greedy.greedy_agreement(reference_tokens, generated)
+        spec = make_spec(loaded.config, kv_dtype, loaded.dtype, settings.block_size)
+        reference_ppl = results[0].perplexity if results else ppl.perplexity
+        results.append(
+            KVDtypeResult(
+                kv_dtype=kv_dtype,
+                storage_dtype=spec.dtype,
+                bytes_per_token=spec.bytes_per_token,
+                perplexity=ppl.perplexity,
+                num_predicted=ppl.num_predicted,
+                relative_perplexity=ppl.perplexity / reference_ppl - 1.0,
+                agreement=agreement.share,
+                mean_identical_prefix=agreement.mean_identical_prefix,
+                num_prompts_identical=agreement.num_prompts_identical,
+                seconds=time.monotonic() - started,
+            )
+        )
+        logger.info("eval-kv %s: perplexity %.4f, agreement %.3f (%.0fs)", kv_dtype,
+                    ppl.perplexity, agreement.share, results[-1].seconds)  # fmt: skip
+    return results
+
+
+def _check_lengths(config: ModelConfig, settings: EvalSettings) -> None:
+    """Positions beyond the model's context would measure RoPE extrapolation, not the cache."""
+    native = config.max_position_embeddings
+    if settings.context_len > native:
+        raise ValueError(f"--context-len {settings.context_len} exceeds the model's {native}")
+    if settings.prompt_len + settings.max_tokens > native:
+        raise ValueError(f"--prompt-len + --max-tokens exceed the model's context of {native}")
+
+
+def _perplexity(
+    loaded: LoadedModel, kv_dtype: str, token_ids: list[int], settings: EvalSettings
+) -> perplexity.PerplexityResult:
+    context_len, chunk_size = settings.context_len, settings.chunk_size
+    num_blocks = perplexity.cache_blocks_needed(context_len, chunk_size, settings.block_size)
+    cache = allocate_cache(
+        loaded.config, kv_dtype, loaded.dtype, settings.block_size, num_blocks, loaded.device
+    )
+    return perplexity.perplexity(
+        loaded.model, cache, token_ids, context_len, chunk_size, loaded.device
+    )
+
+
+def _generate(
+    loaded: LoadedModel, kv_dtype: str, prompts: list[list[int]], settings: EvalSettings
+) -> list[list[int]]:
+    if not prompts:
+        return []
+    num_blocks = greedy.cache_blocks_needed(
+        len(prompts), settings.prompt_len, settings.max_tokens, settings.block_size
+    )
+    cache = allocate_cache(
+        loaded.config, kv_dtype, loaded.dtype, settings.block_size, num_blocks, loaded.device
+    )
+    return greedy.greedy_generate(
+        loaded.model, cache, prompts, settings.max_tokens, settings.chunk_size, loaded.device
+    )
