@@ -100,6 +100,7 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.needs_min_p:
         threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
