@@ -1,5 +1,5 @@
-"""`kvserve serve|generate|plan|bench`.  Engine flags are generated from the config dataclass
-fields (one field, one flag, one help text); errors print one line naming the flag."""
+"""`kvserve serve|generate|plan|bench|eval-kv`.  Engine flags are generated from the config
+dataclass fields (one field, one flag, one help text); errors print one line naming the flag."""
 
 from __future__ import annotations
 
@@ -122,16 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_generate(subparsers)
-    for module, adder in (
-        ("kvserve.planner.cli", "add_plan_parser"),
-        ("kvserve.bench.cli", "add_bench_parser"),
-        ("kvserve.evaluation.cli", "add_eval_parser"),
-    ):
-        try:
-            mod = __import__(module, fromlist=[adder])
-        except ModuleNotFoundError:
-            continue
-        getattr(mod, adder)(subparsers)
+    from kvserve.bench.cli import add_bench_parser
+    from kvserve.evaluation.cli import add_eval_parser
+    from kvserve.planner.cli import add_plan_parser
+
+    for add in (add_plan_parser, add_bench_parser, add_eval_parser):
+        add(subparsers)
     return parser
 
 
