@@ -178,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="then run HF on W1 (and W2)")
     p.add_argument("--cpus", default=None, help="pin server and baseline, e.g. 0 or 0,1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replot", action="store_true", help="only redraw PNGs from --out JSONs")
     p.add_argument("--out", default="results/serve")
     p.add_argument("--img", default="docs/img")
     return p.parse_args(argv)
@@ -186,6 +187,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     selected = {w.strip().lower() for w in args.workloads.split(",")}
+    if args.replot:
+        for name in sorted(selected):
+            doc = json.loads((Path(args.out) / f"{name}.json").read_text())
+            print(plot_timeline(doc, Path(args.img) / f"bench_{name}.png"))
+        return 0
     tokenizer = load_bench_tokenizer(None, EMBEDDED_NAME)
     docs = run_w1_to_w3(args, tokenizer, selected) if selected & {"w1", "w2", "w3"} else {}
     if "w4" in selected:

@@ -18,6 +18,7 @@ from kvserve.bench.metrics import (
     distribution,
     meets_slos,
     percentile,
+    throughput_bin_s,
 )
 from kvserve.bench.runner import arrival_offsets
 
@@ -121,6 +122,7 @@ def test_completions_per_second_bins() -> None:
     bins = completions_per_second([0.1, 0.2, 1.5, 2.9, 3.0], duration=3.0, bin_s=1.0)
     assert bins == [(0.0, 2.0), (1.0, 1.0), (2.0, 2.0)]  # t = duration lands in the last bin
     assert completions_per_second([0.25], 0.5, bin_s=0.5) == [(0.0, 2.0)]
+    assert (throughput_bin_s(20.0), throughput_bin_s(350.0)) == (1.0, 6.0)
 
 
 def test_arrival_offsets() -> None:

@@ -173,6 +173,11 @@ def completions_per_second(
     return [(i * bin_s, c / bin_s) for i, c in enumerate(counts)]
 
 
+def throughput_bin_s(duration: float) -> float:
+    """1 s bins, wider for long runs (about 60 bars), so the rate reads as a rate, not spikes."""
+    return max(1.0, float(round(duration / 60)))
+
+
 def _pct_label(p: float) -> str:
     """99.0 -> "99", 99.9 -> "99.9" (vLLM's key names)."""
     return str(int(p)) if float(p).is_integer() else str(p)

@@ -21,7 +21,7 @@ def plot_timeline(doc: dict[str, Any], path: Path | str, title: str | None = Non
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     _draw_usage(axes[0], doc["timeline"])
     _draw_queues(axes[1], doc["timeline"])
-    _draw_throughput(axes[2], doc["request_throughput_timeline"], doc["timeline"])
+    _draw_throughput(axes[2], _throughput(doc), doc["timeline"])
     axes[2].set_xlabel("seconds since the first request")
     fig.suptitle(title or _default_title(doc))
     fig.tight_layout()
@@ -30,6 +30,15 @@ def plot_timeline(doc: dict[str, Any], path: Path | str, title: str | None = Non
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _throughput(doc: dict[str, Any]) -> list[tuple[float, float]]:
+    """Completed requests per second, binned from the per-request end times."""
+    from kvserve.bench.metrics import completions_per_second, throughput_bin_s
+
+    ends = [r["end_time"] for r in doc.get("requests", []) if r["success"]]
+    duration = doc.get("duration") or max(ends, default=1.0)
+    return completions_per_second(ends, duration, throughput_bin_s(duration))
 
 
 def _default_title(doc: dict[str, Any]) -> str:
@@ -77,7 +86,9 @@ def _draw_queues(ax: Any, timeline: list[dict[str, Any]]) -> None:
     right.legend(loc="upper right", fontsize=8)
 
 
-def _draw_throughput(ax: Any, rate: list[list[float]], timeline: list[dict[str, Any]]) -> None:
+def _draw_throughput(
+    ax: Any, rate: list[tuple[float, float]], timeline: list[dict[str, Any]]
+) -> None:
     if rate:
         starts = [r[0] for r in rate]
         width = starts[1] - starts[0] if len(starts) > 1 else 1.0

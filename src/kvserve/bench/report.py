@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.metrics import completions_per_second
+from kvserve.bench.metrics import completions_per_second, throughput_bin_s
 from kvserve.bench.runner import BenchResult
 from kvserve.bench.scrape import MetricsSample
 
@@ -77,7 +77,9 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         **summary(result),
         "timeline": [s.as_dict() for s in result.timeline],
         "request_throughput_timeline": completions_per_second(
-            [r.end_time for r in result.records if r.success], result.metrics.duration
+            [r.end_time for r in result.records if r.success],
+            result.metrics.duration,
+            throughput_bin_s(result.metrics.duration),
         ),
         "requests": [_request_row(r) for r in result.records],
     }

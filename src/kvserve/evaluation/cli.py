@@ -19,6 +19,7 @@ from kvserve.evaluation.kv_eval import (
     evaluate_kv_dtypes,
     load_model,
 )
+from kvserve.evaluation.paged import check_kv_dtypes
 
 DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8"
 
@@ -121,6 +122,7 @@ def run_eval(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     settings = settings_from_args(args)
     kv_dtypes = kv_dtypes_from_args(args)
+    check_kv_dtypes(kv_dtypes)
     if not args.text.is_file():
         raise ValueError(f"--text: no such file {args.text}; make one with "
                          "`python -m kvserve.evaluation.sample_text ref.txt`")  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.evaluation import greedy, perplexity
-from kvserve.evaluation.paged import allocate_cache, make_spec
+from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.runner import platform
@@ -97,10 +97,7 @@ def evaluate_kv_dtypes(
     loaded: LoadedModel, token_ids: list[int], kv_dtypes: list[str], settings: EvalSettings
 ) -> list[KVDtypeResult]:
     """Perplexity and greedy agreement for each dtype; the first one is the reference."""
-    if not kv_dtypes:
-        raise ValueError("--kv-cache-dtypes: give at least one KV dtype")
-    for kv_dtype in kv_dtypes:
-        make_spec(loaded.config, kv_dtype, loaded.dtype, settings.block_size)  # validates
+    check_kv_dtypes(kv_dtypes)
     _check_lengths(loaded.config, settings)
     limit = settings.max_eval_tokens or len(token_ids)
     ppl_tokens = token_ids[:limit]

@@ -45,10 +45,23 @@ class PagedCache:
     num_blocks: int
 
 
-def make_spec(config: ModelConfig, kv_dtype: str, model_dtype: torch.dtype, block_size: int):
+def check_kv_dtypes(kv_dtypes: list[str]) -> None:
+    """ValueError naming the flag for an empty list or an unknown name (before any loading)."""
+    if not kv_dtypes:
+        raise ValueError("--kv-cache-dtypes: give at least one KV dtype")
+    for kv_dtype in kv_dtypes:
+        if kv_dtype not in EVAL_KV_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtypes: unknown KV dtype {kv_dtype!r}; "
+                f"choose from {', '.join(EVAL_KV_DTYPES)}"
+            )
+
+
+def make_spec(
+    config: ModelConfig, kv_dtype: str, model_dtype: torch.dtype, block_size: int
+) -> KVCacheSpec:
     """The engine's accounting function for this model, KV dtype and compute dtype."""
-    if kv_dtype not in EVAL_KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtypes: unknown KV dtype {kv_dtype!r}; use {EVAL_KV_DTYPES}")
+    check_kv_dtypes([kv_dtype])
     model_dtype_name = str(model_dtype).removeprefix("torch.")
     return kv_cache_spec(
         config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, model_dtype_name,
