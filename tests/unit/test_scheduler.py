@@ -131,7 +131,7 @@ def test_kv_waste_of_a_long_tailed_mix_is_exact_and_under_4_percent():
     assert 250 < sum(lengths) / len(lengths) < 350  # mean about 300 tokens
     total_blocks = sum(math.ceil(n / 16) for n in lengths)
     s = make_scheduler(num_blocks=total_blocks, block_size=16, budget=sum(lengths),
-                       max_seqs=1000, max_len=5000)  # fmt: skip
+                       max_seqs=1000, max_len=5000, caching=False)  # fmt: skip
     for i, n in enumerate(lengths):
         s.add_request(request(f"r{i}", n, 100, offset=i))
     out = s.schedule()
@@ -244,3 +244,18 @@ def test_siblings_of_an_aborted_source_compute_their_own_prompt():
     assert [r.request_id for r in s.waiting] == ["p-1"]
     outputs = run(s, FakeRunner(4))
     assert len(outputs["p-1"]) == 4
+
+
+def test_request_waits_one_step_for_a_prefix_computed_in_the_same_step():
+    s = make_scheduler(block_size=4, budget=64)
+    shared = list(range(1, 9))  # 2 full blocks
+    s.add_request(Request("a", shared + [20, 21], SamplingParams(max_tokens=2)))
+    s.add_request(Request("b", shared + [30, 31, 32], SamplingParams(max_tokens=2)))
+    s.add_request(Request("c", [99] * 6, SamplingParams(max_tokens=2)))  # unrelated: not held up
+    runner = FakeRunner(4)
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled] == ["a", "c"]
+    s.update_from_output(out, runner.execute(out))
+    out = s.schedule()
+    assert ("b", 3, 8) in [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled]
+    assert s.requests["b"].num_cached_tokens == 8

@@ -135,24 +135,33 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests in order.  One whose next uncached block is being computed in
+        this very step by another request waits a step: it will then find it cached instead of
+        computing the same prefix again (many requests with one system prompt arrive together)."""
         cm = self.cache_manager
+        in_flight = self._blocks_in_flight(scheduled)
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
             cached = (
                 NO_PREFIX
                 if forked
                 else cm.find_cached_prefix(request.request_id, request.all_token_ids)
             )
+            if not forked and self._next_block_in_flight(request, cached.block_ids, in_flight):
+                deferred.append(request)
+                continue
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
             if cm.allocate_slots(request.request_id, num_computed, num_new, cached) is None:
                 if not forked:
                     cm.free(request.request_id)  # drop the hashes computed by the lookup
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             if not forked:
                 cm.record_prefix_query(request.num_tokens, cached.num_tokens)
+                in_flight.update(cm.full_block_hashes(request.request_id, request.all_token_ids))
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
@@ -160,7 +169,32 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
+        """Hashes of full blocks that this step's prefills compute (not yet in the cache)."""
+        cm = self.cache_manager
+        hashes: set[bytes] = set()
+        if not cm.enable_caching:
+            return hashes
+        for item in scheduled:
+            if item.num_tokens > 1:
+                request = self.requests[item.request_id]
+                first = item.start_position // cm.block_size
+                hashes.update(cm.full_block_hashes(item.request_id, request.all_token_ids)[first:])
+        return hashes
+
+    def _next_block_in_flight(
+        self, request: Request, cached_block_ids: list[int], in_flight: set[bytes]
+    ) -> bool:
+        if not in_flight:
+            return False
+        tokens = request.all_token_ids
+        hashes = self.cache_manager.full_block_hashes(request.request_id, tokens)
+        index = len(cached_block_ids)
+        could_hit = index < (len(tokens) - 1) // self.cache_manager.block_size  # see lookup
+        return could_hit and hashes[index] in in_flight
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

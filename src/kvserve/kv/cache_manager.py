@@ -67,7 +67,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+    def full_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        """Keys of the request's full blocks (computed once per request, then extended)."""
+        if not self.enable_caching:
+            return []
         hashes = self._block_hashes.setdefault(request_id, [])
         extend_block_hashes(hashes, token_ids, self.block_size, self.extra_key)
         return hashes
@@ -79,7 +82,7 @@ class KVCacheManager:
             return NO_PREFIX
         max_blocks = (len(token_ids) - 1) // self.block_size
         block_ids: list[int] = []
-        for block_hash in self._hashes(request_id, token_ids)[:max_blocks]:
+        for block_hash in self.full_block_hashes(request_id, token_ids)[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -161,7 +164,7 @@ class KVCacheManager:
         start = self._num_cached_blocks[request_id]
         if num_full <= start:
             return
-        hashes = self._hashes(request_id, token_ids[: num_full * self.block_size])
+        hashes = self.full_block_hashes(request_id, token_ids[: num_full * self.block_size])
         table = self.block_tables[request_id]
         for i in range(start, num_full):
             if self.pool.blocks[table[i]].block_hash is None:
