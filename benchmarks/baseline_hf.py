@@ -92,10 +92,11 @@ def generate_batch(base: BaselineModel, batch: list[SampleRequest]) -> None:
 
 def run_offline(base: BaselineModel, requests: list[SampleRequest], batch_size: int) -> dict:
     """All requests queued at once, batches back to back (W1)."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for i in range(0, len(requests), batch_size):
         generate_batch(base, requests[i : i + batch_size])
-    return _summary(requests, time.perf_counter() - started, batch_size, latencies=None)
+    duration = time.perf_counter() - started
+    return _summary(requests, duration, time.process_time() - cpu, batch_size, latencies=None)
 
 
 def run_online(
@@ -104,7 +105,7 @@ def run_online(
     """Requests arrive at the bench's Poisson times (same seed); a free model takes all that
     have arrived, up to the batch limit (W2).  Latency = batch end - arrival."""
     arrivals = arrival_offsets(len(requests), rate, 1.0, seed)
-    started, done, latencies = time.perf_counter(), 0, []
+    started, cpu, done, latencies = time.perf_counter(), time.process_time(), 0, []
     while done < len(requests):
         now = time.perf_counter() - started
         if arrivals[done] > now:
@@ -117,12 +118,19 @@ def run_online(
         finished = time.perf_counter() - started
         latencies += [finished - arrivals[i] for i in range(done, end)]
         done = end
-    return _summary(requests, time.perf_counter() - started, batch_size, latencies)
+    duration = time.perf_counter() - started
+    return _summary(requests, duration, time.process_time() - cpu, batch_size, latencies)
 
 
 def _summary(
-    requests: list[SampleRequest], duration: float, batch_size: int, latencies: list | None
+    requests: list[SampleRequest],
+    duration: float,
+    cpu_seconds: float,
+    batch_size: int,
+    latencies: list | None,
 ) -> dict:
+    """Throughputs by wall time and, steadier on a shared machine, by this process's CPU time
+    (sleeps between arrivals cost none)."""
     num_in = sum(r.prompt_len for r in requests)
     num_out = sum(r.output_len for r in requests)
     row = {
@@ -133,6 +141,8 @@ def _summary(
         "request_throughput": len(requests) / duration,
         "output_throughput": num_out / duration,
         "total_token_throughput": (num_in + num_out) / duration,
+        "cpu_seconds": cpu_seconds,
+        "output_tokens_per_cpu_second": num_out / cpu_seconds,
     }
     if latencies:
         ordered = sorted(latencies)
@@ -145,13 +155,28 @@ def _summary(
 
 
 def w1_requests(
-    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, seed: int
+    tokenizer: Any,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    range_ratio: float = 0.0,
 ) -> list[SampleRequest]:
     """Exactly the prompts `kvserve bench serve --dataset-name random` sends."""
     config = DatasetConfig(
-        num_prompts=num_prompts, random_input_len=input_len, random_output_len=output_len, seed=seed
+        num_prompts=num_prompts,
+        random_input_len=input_len,
+        random_output_len=output_len,
+        random_range_ratio=range_ratio,
+        seed=seed,
     )
     return sample_requests(config, tokenizer)
+
+
+def longest_sequence(input_len: int, output_len: int, range_ratio: float) -> int:
+    """The length a static batch must reserve: the longest prompt plus the longest output
+    the random dataset can draw (it cannot know a request's output length in advance)."""
+    return int(input_len * (1 + range_ratio)) + int(output_len * (1 + range_ratio))
 
 
 def main() -> None:
@@ -160,6 +185,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="512MiB")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="--random-range-ratio")
     p.add_argument("--request-rate", type=float, default=math.inf, help="inf: offline (W1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
@@ -167,11 +193,15 @@ def main() -> None:
     args = p.parse_args()
     base = load_baseline_model(args.cpus)
     requests = w1_requests(
-        base.tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed
+        base.tokenizer,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.seed,
+        args.range_ratio,
     )
-    batch = static_batch_size(
-        parse_size(args.kv_cache_memory), base.bytes_per_token, args.input_len + args.output_len
-    )
+    longest = longest_sequence(args.input_len, args.output_len, args.range_ratio)
+    batch = static_batch_size(parse_size(args.kv_cache_memory), base.bytes_per_token, longest)
     if math.isinf(args.request_rate):
         result = run_offline(base, requests, batch)
     else:

@@ -35,12 +35,14 @@ from kvserve.models.loader import EMBEDDED_NAME
 
 
 def run_workload(
-    name: str, base_url: str, args: argparse.Namespace, tokenizer: Any, **config: Any
+    name: str, server: KVServer, args: argparse.Namespace, tokenizer: Any, **config: Any
 ) -> dict:
-    """One `kvserve bench serve` run; prints the table, saves JSON and PNG, returns the doc."""
+    """One `kvserve bench serve` run; prints the table, saves JSON and PNG, returns the doc.
+    Also records the server's CPU seconds: on a shared machine wall time swings with other
+    people's load, while a pinned process's CPU time barely does."""
     dataset = config.pop("dataset")
     bench = BenchConfig(
-        base_url=base_url,
+        base_url=server.base_url,
         model=EMBEDDED_NAME,
         ignore_eos=True,
         label=name,
@@ -50,9 +52,18 @@ def run_workload(
         **config,
     )
     print(f"\n### {name}", flush=True)
+    cpu_before = server.cpu_seconds()
     result = bench_serve(bench, tokenizer=tokenizer)
+    cpu = server.cpu_seconds() - cpu_before
     print(format_table(result), flush=True)
     doc = to_json(result)
+    doc["server_cpu_seconds"] = cpu
+    doc["output_tokens_per_cpu_second"] = doc["total_output_tokens"] / cpu
+    print(
+        f"server CPU time {cpu:.1f} s: {doc['output_tokens_per_cpu_second']:.2f} output "
+        "tokens per CPU second",
+        flush=True,
+    )
     out = Path(args.out) / f"{name.lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))
@@ -65,6 +76,7 @@ def w1_dataset(args: argparse.Namespace) -> DatasetConfig:
         num_prompts=args.num_prompts,
         random_input_len=args.input_len,
         random_output_len=args.output_len,
+        random_range_ratio=args.range_ratio,
         seed=args.seed,
     )
 
@@ -75,13 +87,11 @@ def run_w1_to_w3(args: argparse.Namespace, tokenizer: Any, selected: set[str]) -
     server_args = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048"]
     with KVServer(server_args, Path(args.out), args.cpus) as server:
         if "w1" in selected or ("w2" in selected and args.w2_rate is None):
-            docs["W1"] = run_workload(
-                "W1", server.base_url, args, tokenizer, dataset=w1_dataset(args)
-            )
+            docs["W1"] = run_workload("W1", server, args, tokenizer, dataset=w1_dataset(args))
         if "w2" in selected:
             rate = args.w2_rate or 0.7 * docs["W1"]["request_throughput"]
             docs["W2"] = run_workload(
-                "W2", server.base_url, args, tokenizer, dataset=w1_dataset(args), request_rate=rate
+                "W2", server, args, tokenizer, dataset=w1_dataset(args), request_rate=rate
             )
         if "w3" in selected:
             dataset = DatasetConfig(
@@ -92,7 +102,7 @@ def run_w1_to_w3(args: argparse.Namespace, tokenizer: Any, selected: set[str]) -
                 output_len=32,
                 seed=args.seed,
             )
-            docs["W3"] = run_workload("W3", server.base_url, args, tokenizer, dataset=dataset)
+            docs["W3"] = run_workload("W3", server, args, tokenizer, dataset=dataset)
     return docs
 
 
@@ -121,7 +131,7 @@ def run_w4(args: argparse.Namespace, tokenizer: Any) -> dict:
         seed=args.seed,
     )
     with KVServer(server_args, Path(args.out), args.cpus) as server:
-        return run_workload("W4", server.base_url, args, tokenizer, dataset=dataset)
+        return run_workload("W4", server, args, tokenizer, dataset=dataset)
 
 
 def run_baseline(args: argparse.Namespace, docs: dict[str, dict]) -> dict:
@@ -130,10 +140,16 @@ def run_baseline(args: argparse.Namespace, docs: dict[str, dict]) -> dict:
 
     base = baseline_hf.load_baseline_model(args.cpus)
     requests = baseline_hf.w1_requests(
-        base.tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed
+        base.tokenizer,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.seed,
+        args.range_ratio,
     )
+    longest = baseline_hf.longest_sequence(args.input_len, args.output_len, args.range_ratio)
     batch = baseline_hf.static_batch_size(
-        parse_size(args.kv_cache_memory), base.bytes_per_token, args.input_len + args.output_len
+        parse_size(args.kv_cache_memory), base.bytes_per_token, longest
     )
     print(f"\n### baseline: HF generate, static batches of {batch}", flush=True)
     out: dict[str, dict] = {}
@@ -157,6 +173,10 @@ def ratios(docs: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict[s
             "request_throughput": ours["request_throughput"] / base["request_throughput"],
             "output_throughput": ours["output_throughput"] / base["output_throughput"],
         }
+        if "cpu_seconds" in base and "server_cpu_seconds" in ours:
+            row["output_tokens_per_cpu_second"] = (
+                ours["output_tokens_per_cpu_second"] / base["output_tokens_per_cpu_second"]
+            )
         if "mean_e2el_ms" in base:
             row["mean_e2el_baseline_over_kvserve"] = base["mean_e2el_ms"] / ours["mean_e2el_ms"]
         rows[name] = row
@@ -169,6 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=128, help="W1/W2 requests")
     p.add_argument("--input-len", type=int, default=256, help="W1/W2 prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="W1/W2 output tokens")
+    p.add_argument(
+        "--range-ratio", type=float, default=0.0, help="W1/W2 lengths vary by +-this fraction"
+    )
     p.add_argument("--kv-cache-memory", default="512MiB", help="W1-W3 and baseline budget")
     p.add_argument("--w2-rate", type=float, default=None, help="skip W1's measurement")
     p.add_argument("--w3-num-prompts", type=int, default=64)

@@ -3,6 +3,7 @@ entry, healthy before use, always stopped on exit (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -89,6 +90,13 @@ class KVServer:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"kvserve not healthy after {START_TIMEOUT_S:.0f} s")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process, all threads (Linux /proc)."""
+        assert self.process is not None
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of stat(5)
+        return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
