@@ -244,8 +244,10 @@ def _short(doc: dict) -> dict:
         "mean_e2el_ms",
         "p99_e2el_ms",
         "memory",
+        "server_cpu_seconds",
+        "output_tokens_per_cpu_second",
     )
-    return {"request_rate": doc["config"]["request_rate"], **{k: doc[k] for k in keys}}
+    return {"request_rate": doc["config"]["request_rate"], **{k: doc.get(k) for k in keys}}
 
 
 if __name__ == "__main__":
