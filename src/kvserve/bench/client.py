@@ -136,14 +136,15 @@ async def send_request(
 
 
 async def _read_events(response: aiohttp.ClientResponse, state: _StreamState) -> None:
-    """Server-sent events: `data: ...` lines separated by blank lines."""
+    """Server-sent events: `data: ...` lines separated by blank lines (LF or CRLF).  Events
+    that arrive in one network read share its timestamp."""
     buffer = b""
     async for piece in response.content.iter_any():
         now = time.perf_counter()
-        buffer += piece
+        buffer = (buffer + piece).replace(b"\r\n", b"\n")
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
-            for line in event.decode("utf-8").splitlines():
+            for line in event.decode("utf-8", errors="replace").splitlines():
                 if line.startswith("data:"):
                     state.feed(line[5:].strip(), now)
 
