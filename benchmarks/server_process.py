@@ -1,27 +1,19 @@
 """`kvserve serve` in a subprocess on a free port, for the benchmark scripts: started on
-entry, healthy before use, always stopped on exit (SIGTERM, then SIGKILL)."""
+entry, healthy before use, always stopped on exit (SIGTERM, then SIGKILL).
+
+The launching itself is kvserve.server.launcher's (shared with the end-to-end tests); this adds
+what only the benchmarks need: float32, CPU pinning with taskset, and the server's CPU time."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import TracebackType
 
-import httpx
+from kvserve.server.launcher import ServerProcess, free_port, serve_command, start_server
 
 START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pinned(command: list[str], cpus: str | None) -> list[str]:
@@ -38,35 +30,20 @@ class KVServer:
 
     def __init__(self, args: list[str], log_dir: Path, cpus: str | None = None) -> None:
         self.port = free_port()
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self.command = pinned(
-            [
-                sys.executable,
-                "-m",
-                "kvserve.cli",
-                "serve",
-                "--port",
-                str(self.port),
-                "--dtype",
-                "float32",
-                "--disable-uvicorn-access-log",
-                *args,
-            ],
-            cpus,
-        )
-        self.process: subprocess.Popen | None = None
+        self.log_dir = log_dir
+        flags = ["--dtype", "float32", "--disable-uvicorn-access-log", *args]
+        self.command = pinned(serve_command(self.port, flags), cpus)
+        self.server: ServerProcess | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> KVServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         print("$ " + " ".join(self.command), flush=True)
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        self.server = start_server(self.command, self.port, self.log_dir)
         try:
-            self._wait_healthy()
+            self.server.wait_healthy(START_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
@@ -77,33 +54,14 @@ class KVServer:
     ) -> None:
         self.stop()
 
-    def _wait_healthy(self) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvserve exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"kvserve not healthy after {START_TIMEOUT_S:.0f} s")
-
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process, all threads (Linux /proc)."""
-        assert self.process is not None
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert self.server is not None
+        stat = Path(f"/proc/{self.server.process.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()
         utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of stat(5)
         return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.server is not None:
+            self.server.stop()

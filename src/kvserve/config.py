@@ -13,6 +13,7 @@ from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -144,10 +145,24 @@ class LoadConfig:
     tensor_parallel_size: int = field(
         default=1, metadata=_help("Tensor-parallel ranks (1 is supported for serving).")
     )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_help(
+            "Attention implementation: auto (cpu-paged on a CPU when its C kernel builds, else "
+            "torch), torch (the PyTorch reference), cpu-paged (C kernel reading KV blocks in "
+            "place; CPU only).",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 "--tensor-parallel-size > 1 is not supported for serving yet; use 1 "

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chunk, forward_logits, make_caches, run_in_chunks
+from helpers import forward_logits, make_cache, run_in_chunks
 
+from kvserve.evaluation.paged import Piece
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
 
@@ -32,26 +33,24 @@ def test_chunked_prefill_equals_one_shot(model, chunk_size):
 def test_batched_sequences_equal_each_alone(model):
     a, b, c = TOKENS[:13], TOKENS[5:30], TOKENS[20:21]
     alone = [run_in_chunks(model, t, chunk_size=len(t)) for t in (a, b, c)]
-    caches = make_caches(model, num_blocks=20, block_size=4)
+    cache = make_cache(model, num_blocks=20, block_size=4)
     # Scattered, non-contiguous block tables on purpose.
     tables = [[17, 3, 9, 12], [0, 19, 4, 8, 15, 2, 11], [6]]
-    chunks = [chunk(n, t, 0, tb) for n, t, tb in zip("abc", (a, b, c), tables, strict=True)]
-    together = forward_logits(model, caches, 4, chunks)
+    pieces = [Piece(n, t, 0, tb) for n, t, tb in zip("abc", (a, b, c), tables, strict=True)]
+    together = forward_logits(model, cache, pieces)
     for x, y in zip(together, alone, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_decode_and_prefill_batch(model):
     """Decodes of two sequences share a step with a prefill chunk of a third."""
-    caches = make_caches(model, num_blocks=30, block_size=4)
+    cache = make_cache(model, num_blocks=30, block_size=4)
     ta, tb = [0, 1, 2], [3, 4, 5, 6, 7, 8]  # 11 and 21 tokens at block size 4
-    forward_logits(
-        model, caches, 4, [chunk("a", TOKENS[:10], 0, ta), chunk("b", TOKENS[10:30], 0, tb)]
-    )
+    forward_logits(model, cache, [Piece("a", TOKENS[:10], 0, ta), Piece("b", TOKENS[10:30], 0, tb)])
     step = forward_logits(
-        model, caches, 4,
-        [chunk("a", TOKENS[10:11], 10, ta), chunk("b", TOKENS[30:31], 20, tb),
-         chunk("c", TOKENS[31:40], 0, [20, 21, 22])],
+        model, cache,
+        [Piece("a", TOKENS[10:11], 10, ta), Piece("b", TOKENS[30:31], 20, tb),
+         Piece("c", TOKENS[31:40], 0, [20, 21, 22])],
     )  # fmt: skip
     ref_a = run_in_chunks(model, TOKENS[:11], chunk_size=11)[-1]
     ref_b = run_in_chunks(model, TOKENS[10:31], chunk_size=21)[-1]

@@ -88,4 +88,3 @@ class TorchRefBackend:
             enable_gqa=True,
         )
         return out.transpose(0, 1)
-

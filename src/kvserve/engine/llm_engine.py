@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.attention import select_backend
 from kvserve.config import EngineConfig
 from kvserve.engine.outputs import (
     CompletionOutput,
@@ -72,6 +72,7 @@ class LLMEngine:
             config.load.dtype, self.device, checkpoint.config.torch_dtype
         )
         self._check_swap_space()
+        self.attention = select_backend(config.load.attention_backend, self.device)
         self.tokenizer = load_tokenizer(checkpoint.path)
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -127,7 +128,7 @@ class LLMEngine:
             weights_bytes,
             lambda: profile_peak_activation_bytes(
                 self.model, spec, self.config.scheduler.max_num_batched_tokens,
-                TorchRefBackend(), self.device,
+                self.attention, self.device,
             ),
         )  # fmt: skip
         return size_kv_cache(spec, budget, self.max_model_len)
@@ -147,7 +148,7 @@ class LLMEngine:
             self.cache_manager,
         )  # fmt: skip
         self.runner = ModelRunner(
-            self.model, self.kv_caches, TorchRefBackend(), spec.block_size, self.device,
+            self.model, self.kv_caches, self.attention, spec.block_size, self.device,
             seed=self.config.load.seed,
         )  # fmt: skip
 
@@ -155,9 +156,10 @@ class LLMEngine:
         mc = self.model_config
         logger.info(
             "model %s (%s, %d layers, %d heads / %d KV heads, head_dim %d) on %s in %s, "
-            "loaded in %.1fs",
+            "attention %s, loaded in %.1fs",
             self.model_name, mc.architecture, mc.num_layers, mc.num_heads, mc.num_kv_heads,
-            mc.head_dim, self.device, torch_dtype_name(self.dtype), seconds,
+            mc.head_dim, self.device, torch_dtype_name(self.dtype),
+            type(self.attention).__name__, seconds,
         )  # fmt: skip
         logger.info(self.sizing.summary())
 

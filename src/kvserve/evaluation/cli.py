@@ -44,6 +44,17 @@ other than auto compares auto with that one dtype.
 
 A text to try, available offline: python -m kvserve.evaluation.sample_text ref.txt"""
 
+# EvalSettings fields set by an int flag of the same name (--num-prompts: num_prompts), in
+# --help order; block_size comes from the engine's --block-size.
+INT_SETTINGS = {
+    "num_prompts": "Prompts for greedy agreement (0 skips it).",
+    "prompt_len": "Tokens per greedy prompt.",
+    "max_tokens": "Greedy tokens generated per prompt.",
+    "context_len": "Tokens per perplexity window.",
+    "chunk_size": "Prefill chunk size: chunks after a window's first read the cache.",
+    "max_eval_tokens": "Perplexity over the text's first N tokens (0: the whole text).",
+}
+
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -60,39 +71,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"Comma-separated KV dtypes, reference first; default {DEFAULT_KV_DTYPES}.",
     )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=defaults.num_prompts,
-        help="Prompts for greedy agreement (0 skips it).",
-    )
-    p.add_argument(
-        "--prompt-len", type=int, default=defaults.prompt_len, help="Tokens per greedy prompt."
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=defaults.max_tokens,
-        help="Greedy tokens generated per prompt.",
-    )
-    p.add_argument(
-        "--context-len",
-        type=int,
-        default=defaults.context_len,
-        help="Tokens per perplexity window.",
-    )
-    p.add_argument(
-        "--chunk-size",
-        type=int,
-        default=defaults.chunk_size,
-        help="Prefill chunk size: chunks after a window's first read the cache.",
-    )
-    p.add_argument(
-        "--max-eval-tokens",
-        type=int,
-        default=defaults.max_eval_tokens,
-        help="Perplexity over the text's first N tokens (0: the whole text).",
-    )
+    for name, help_text in INT_SETTINGS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=int, default=getattr(defaults, name), help=help_text)
     p.add_argument("--json", action="store_true", help="Print the results as JSON.")
     p.set_defaults(func=run_eval)
 
@@ -107,15 +88,8 @@ def kv_dtypes_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
-    return EvalSettings(
-        context_len=args.context_len,
-        chunk_size=args.chunk_size,
-        num_prompts=args.num_prompts,
-        prompt_len=args.prompt_len,
-        max_tokens=args.max_tokens,
-        max_eval_tokens=args.max_eval_tokens,
-        block_size=args.block_size,
-    )
+    values = {name: getattr(args, name) for name in INT_SETTINGS}
+    return EvalSettings(**values, block_size=args.block_size)
 
 
 def run_eval(args: argparse.Namespace) -> int:

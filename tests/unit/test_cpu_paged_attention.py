@@ -1,0 +1,110 @@
+"""The C paged-decode kernel against the PyTorch reference: every KV dtype, GQA shapes, odd
+head sizes (SIMD tails), ragged lengths across block boundaries, scattered block tables, and
+more than one thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import select_backend
+from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.kv import quant
+from kvserve.runner.kv_storage import LayerKVCache
+
+pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+
+KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def filled_cache(kv_dtype: str, num_blocks: int, block_size: int, heads: int, dim: int, gen):
+    """A layer cache with every slot written through the real (quantizing) write path."""
+    shape = (num_blocks, block_size, heads, dim)
+    scaled = kv_dtype in quant.SCALED_DTYPES
+    store = quant.storage_dtype(kv_dtype)
+    cache = LayerKVCache(
+        torch.zeros(shape, dtype=store),
+        torch.zeros(shape, dtype=store),
+        torch.ones(shape[:3]) if scaled else None,
+        torch.ones(shape[:3]) if scaled else None,
+        kv_dtype,
+    )
+    slots = torch.arange(num_blocks * block_size)
+    keys = torch.randn(len(slots), heads, dim, generator=gen)
+    values = torch.randn(len(slots), heads, dim, generator=gen)
+    cache.write(slots, keys, values)
+    return cache
+
+
+def decode_metadata(seq_lens: list[int], num_blocks: int, block_size: int, gen):
+    """Each sequence gets distinct, shuffled blocks; tables padded with block 0 like the runner."""
+    width = max(-(-n // block_size) for n in seq_lens)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    used = 0
+    for row, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    lens = torch.tensor(seq_lens)
+    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, ())
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)],
+)
+def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77, 5]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
+    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    scale = dim**-0.5
+    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    backend = select_backend("cpu-paged", torch.device("cpu"))
+    got = backend._decode(query, cache, md, scale)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_threads_split_sequences_without_changing_results():
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [40 + 13 * i for i in range(12)]
+    num_blocks = sum(-(-n // 16) for n in seq_lens)
+    cache = filled_cache("float32", num_blocks, 16, 2, 64, gen)
+    md = decode_metadata(seq_lens, num_blocks, 16, gen)
+    query = torch.randn(len(seq_lens), 6, 64, generator=gen)
+    backend = select_backend("cpu-paged", torch.device("cpu"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = backend._decode(query, cache, md, 0.125)
+        torch.set_num_threads(2)
+        two = backend._decode(query, cache, md, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each sequence is computed by one thread, in the same order
+
+
+def test_bfloat16_queries_come_back_in_bfloat16():
+    gen = torch.Generator().manual_seed(3)
+    cache = filled_cache("bfloat16", 8, 16, 1, 64, gen)
+    md = decode_metadata([20, 33], 8, 16, gen)
+    query = torch.randn(2, 2, 64, generator=gen).to(torch.bfloat16)
+    got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, 0.125)
+    expected = TorchRefBackend()._decode(query, cache, md, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+def test_backend_choice():
+    cpu = torch.device("cpu")
+    assert type(select_backend("torch", cpu)) is TorchRefBackend
+    assert type(select_backend("auto", cpu)).__name__ == "CpuPagedBackend"
+    with pytest.raises(ValueError, match="--attention-backend cpu-paged runs on a CPU only"):
+        select_backend("cpu-paged", torch.device("cuda"))
