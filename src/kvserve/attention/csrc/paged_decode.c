@@ -3,8 +3,10 @@
  *
  * The reference backend copies every decode sequence's blocks into a padded contiguous
  * tensor per layer and step, then attends over the copy: the K/V bytes cross memory three
- * times.  Here each (sequence, KV head) walks its block table and reads each K and V row
- * once, converting 8/16-bit storage to float32 on the fly.
+ * times.  Here each sequence walks its block table once, block by block, with an online
+ * softmax (running max and sum per head, as in FlashAttention): each K and V row is read
+ * once, converted from 8/16-bit storage to float32 on the fly, and used by all the query
+ * heads of its group while it is in L1.
  *
  * Layouts (all contiguous):
  *   query, out     [num_seqs, num_kv_heads * group, head_dim] float32;
@@ -21,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum kv_kind { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_LUT8 = 4 };
 
@@ -62,7 +67,12 @@ static const float *load_row(const void *cache, int kind, int64_t row, int dim, 
     }
     case KV_F16: {
         const uint16_t *src = (const uint16_t *)cache + row;
-        for (d = 0; d < dim; d++) dst[d] = half_to_float(src[d]);
+        d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= dim; d += 8)
+            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#endif
+        for (; d < dim; d++) dst[d] = half_to_float(src[d]);
         return dst;
     }
     case KV_I8: {
@@ -102,6 +112,57 @@ static inline float dot(const float *restrict q, const float *restrict k, int di
     return total;
 }
 
+/* out[o] = q . rows[o] for 8 rows at once: eight independent FMA chains, and one transposing
+ * reduction for all eight instead of eight horizontal sums.  dim % 8 == 0. */
+static inline void dot8(const float *restrict q, const float *const *rows, int dim,
+                        float *out) {
+    __m256 a[8];
+    for (int o = 0; o < 8; o++) a[o] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int o = 0; o < 8; o++) a[o] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[o] + d), a[o]);
+    }
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* lanes: s0123 = [r0 r1 r2 r3 | r0 r1 r2 r3] halves, likewise s4567: add the halves. */
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
+/* exp(x) for 8 lanes, x <= 0 here: Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial
+ * for exp(r) on |r| <= ln2/2 (relative error ~1e-7), and 2^n built in the exponent bits. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* p[o] = exp(p[o] - shift); returns the sum. */
+static inline float exp_shifted(float *p, int count, float shift) {
+    __m256 total = _mm256_setzero_ps(), sv = _mm256_set1_ps(shift);
+    int o = 0;
+    for (; o + 8 <= count; o += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + o), sv));
+        _mm256_storeu_ps(p + o, v);
+        total = _mm256_add_ps(total, v);
+    }
+    float sum = hsum(total);
+    for (; o < count; o++) sum += (p[o] = expf(p[o] - shift));
+    return sum;
+}
+
 /* y[0:dim] += sum_o p[o] * rows[o][0:dim]; 16 lanes of y stay in registers across the rows. */
 static inline void weighted_sum(float *restrict y, const float *p, const float *const *rows,
                                 int count, int dim) {
@@ -119,6 +180,7 @@ static inline void weighted_sum(float *restrict y, const float *p, const float *
     for (; d < dim; d++)
         for (int o = 0; o < count; o++) y[d] += p[o] * rows[o][d];
 }
+#define HAVE_DOT8 1
 #else
 static inline float dot(const float *restrict q, const float *restrict k, int dim) {
     float total = 0.0f;
@@ -126,12 +188,31 @@ static inline float dot(const float *restrict q, const float *restrict k, int di
     return total;
 }
 
+static inline float exp_shifted(float *p, int count, float shift) {
+    float sum = 0.0f;
+    for (int o = 0; o < count; o++) sum += (p[o] = expf(p[o] - shift));
+    return sum;
+}
+
 static inline void weighted_sum(float *restrict y, const float *p, const float *const *rows,
                                 int count, int dim) {
     for (int o = 0; o < count; o++)
         for (int d = 0; d < dim; d++) y[d] += p[o] * rows[o][d];
 }
+#define HAVE_DOT8 0
 #endif
+
+/* scores[o] = q . rows[o] * sm_scale for o < count. */
+static inline void block_scores(const float *q, const float *const *rows, int count, int dim,
+                                float sm_scale, float *scores) {
+    int o = 0;
+#if HAVE_DOT8
+    if (dim % 8 == 0)
+        for (; o + 8 <= count; o += 8) dot8(q, rows + o, dim, scores + o);
+#endif
+    for (; o < count; o++) scores[o] = dot(q, rows[o], dim);
+    for (o = 0; o < count; o++) scores[o] *= sm_scale;
+}
 
 /* Ask for the next block's rows while this block is being used: the blocks of one sequence
  * are scattered, so the hardware prefetcher cannot guess the next one. */
@@ -139,60 +220,70 @@ static inline void prefetch_rows(const char *base, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
 }
 
-/* One sequence, all its heads.  Block by block (a block's rows of all KV heads are
- * contiguous) and head by head, the block's rows are first made float32 (pointers into a
- * float32 cache, converted copies otherwise), then used by every query head of the group.
- * scores: [num_heads][seq_len] scratch; row_buf: [block_size][dim]. */
+/* The rows of one block and KV head as float32: pointers into a float32 cache, converted
+ * copies in buf otherwise. */
+static inline void block_rows(const void *cache, const float *scales, int kind, const float *lut,
+                              int64_t first_slot, int count, int kv_head, int num_kv_heads,
+                              int dim, float *buf, const float **rows) {
+    for (int o = 0; o < count; o++) {
+        int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
+        float s = scales ? scales[idx] : 1.0f;
+        rows[o] = load_row(cache, kind, idx * dim, dim, s, lut, buf + (int64_t)o * dim);
+    }
+}
+
+/* One sequence, all its heads, one pass over its blocks with an online softmax.
+ * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
 static void attend_sequence(const float *q, float *out, const void *key, const void *value,
                             const float *key_scale, const float *value_scale, const float *lut,
                             int kind, int elem_bytes, const int64_t *table, int64_t seq_len,
                             int num_kv_heads, int group, int dim, int block_size,
-                            float sm_scale, float *scores, float *row_buf) {
+                            float sm_scale, float *work) {
     const int num_heads = num_kv_heads * group;
-    const int64_t token_elems = (int64_t)num_kv_heads * dim;
+    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * dim * elem_bytes;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    const float *rows[block_size];
+    float *run_max = work, *run_sum = run_max + num_heads, *probs = run_sum + num_heads;
+    float *key_buf = probs + group * block_size, *value_buf = key_buf + block_size * dim;
+    const float *key_rows[block_size], *value_rows[block_size];
+    for (int head = 0; head < num_heads; head++) {
+        run_max[head] = -INFINITY;
+        run_sum[head] = 0.0f;
+    }
     memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
-    for (int pass = 0; pass < 2; pass++) {
-        const void *cache = pass == 0 ? key : value;
-        const float *scales = pass == 0 ? key_scale : value_scale;
-        for (int64_t b = 0; b < num_blocks; b++) {
-            if (b + 1 < num_blocks)
-                prefetch_rows((const char *)cache
-                                  + table[b + 1] * block_size * token_elems * elem_bytes,
-                              (int64_t)block_size * token_elems * elem_bytes);
-            int64_t j0 = b * block_size, first = table[b] * block_size;
-            int count = (int)(seq_len - j0 < block_size ? seq_len - j0 : block_size);
-            for (int h = 0; h < num_kv_heads; h++) {
-                for (int o = 0; o < count; o++) {
-                    int64_t idx = (first + o) * num_kv_heads + h;
-                    float s = scales ? scales[idx] : 1.0f;
-                    rows[o] = load_row(cache, kind, idx * dim, dim, s, lut, row_buf + o * dim);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) {
+            prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
+            prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
+        }
+        int64_t first_slot = table[b] * block_size;
+        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                                : block_size);
+        for (int h = 0; h < num_kv_heads; h++) {
+            block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
+                       key_buf, key_rows);
+            block_rows(value, value_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
+                       value_buf, value_rows);
+            for (int g = 0; g < group; g++) {
+                int head = h * group + g;
+                float *p = probs + g * block_size, *acc = out + (int64_t)head * dim;
+                block_scores(q + (int64_t)head * dim, key_rows, count, dim, sm_scale, p);
+                float new_max = run_max[head];
+                for (int o = 0; o < count; o++) new_max = p[o] > new_max ? p[o] : new_max;
+                float block_sum = exp_shifted(p, count, new_max);
+                if (new_max != run_max[head]) { /* rescale what was summed under the old max */
+                    float correction = expf(run_max[head] - new_max);
+                    run_sum[head] *= correction;
+                    for (int d = 0; d < dim; d++) acc[d] *= correction;
+                    run_max[head] = new_max;
                 }
-                for (int g = 0; g < group; g++) {
-                    int head = h * group + g;
-                    float *sh = scores + head * seq_len + j0;
-                    if (pass == 0) {
-                        const float *qh = q + (int64_t)head * dim;
-                        for (int o = 0; o < count; o++) sh[o] = dot(qh, rows[o], dim) * sm_scale;
-                    } else {
-                        weighted_sum(out + (int64_t)head * dim, sh, rows, count, dim);
-                    }
-                }
+                run_sum[head] += block_sum;
+                weighted_sum(acc, p, value_rows, count, dim);
             }
         }
-        if (pass == 1) break;
-        for (int head = 0; head < num_heads; head++) { /* softmax, in place */
-            float *sh = scores + head * seq_len;
-            float mx = -INFINITY, total = 0.0f;
-            for (int64_t j = 0; j < seq_len; j++) mx = sh[j] > mx ? sh[j] : mx;
-            for (int64_t j = 0; j < seq_len; j++) {
-                sh[j] = expf(sh[j] - mx);
-                total += sh[j];
-            }
-            float inv = 1.0f / total;
-            for (int64_t j = 0; j < seq_len; j++) sh[j] *= inv;
-        }
+    }
+    for (int head = 0; head < num_heads; head++) {
+        float inv = 1.0f / run_sum[head];
+        for (int d = 0; d < dim; d++) out[(int64_t)head * dim + d] *= inv;
     }
 }
 
@@ -206,27 +297,26 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
                            int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
                            int block_size, float sm_scale, int num_threads) {
     const int num_heads = num_kv_heads * group;
-    int64_t max_len = 0;
-    for (int i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const size_t work_floats = (size_t)2 * num_heads + (size_t)group * block_size
+                               + (size_t)2 * block_size * dim;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        float *scores =
-            malloc(sizeof(float) * (size_t)(num_heads * max_len + (int64_t)block_size * dim));
-        if (!scores) {
+        float *work = malloc(sizeof(float) * work_floats);
+        if (!work) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int seq = 0; seq < num_seqs; seq++) {
-            if (!scores) continue;
+            if (!work) continue;
             int64_t head0 = (int64_t)seq * num_heads * dim;
             attend_sequence(query + head0, out + head0, key, value, key_scale, value_scale, lut,
                             kind, element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
                             seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,
-                            scores, scores + num_heads * max_len);
+                            work);
         }
-        free(scores);
+        free(work);
     }
     return failed;
 }
