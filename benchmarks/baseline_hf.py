@@ -2,16 +2,24 @@
 contiguous, left-padded KV cache (transformers' DynamicCache), on the embedded model.
 
 Same prompts as `kvserve bench serve` (the bench's own random dataset and seed), same KV
-memory budget: a static batch reserves every sequence's KV for its whole length, so at most
-floor(budget / (bytes_per_token x (input_len + output_len))) sequences run together, and a
-batch ends only when its longest member does.
+memory budget.  A contiguous cache must reserve each sequence's KV for the longest it may
+grow, so at most floor(budget / (bytes_per_token x reserved_len)) sequences run together, and
+a batch ends only when its longest member does.  What is reserved (--reserve):
+
+  max-model-len  the context length the server accepts (--max-model-len, 2048 as kvserve is
+                 served in serve_workloads.py): a naive server cannot know how long a request
+                 will grow, so every slot is sized for the longest allowed sequence (what
+                 FasterTransformer and Orca (Max) do in the PagedAttention paper).
+  request        an oracle that knows each workload's longest prompt + output (Orca (Oracle)):
+                 no naive server has this knowledge; it is the strictest comparison.
 
 Two modes:
   offline (W1): all requests queued at t = 0, batches back to back.
   online  (W2): requests arrive at the bench's Poisson times; whenever the model is free it
                 takes every arrived request (up to the batch limit) as one static batch.
 
-    .venv/bin/python benchmarks/baseline_hf.py --num-prompts 32 --kv-cache-memory 512MiB
+    .venv/bin/python benchmarks/baseline_hf.py --num-prompts 32 --kv-cache-memory 512MiB \
+        --reserve max-model-len --max-model-len 2048
 """
 
 from __future__ import annotations
@@ -173,10 +181,36 @@ def w1_requests(
     return sample_requests(config, tokenizer)
 
 
-def longest_sequence(input_len: int, output_len: int, range_ratio: float) -> int:
-    """The length a static batch must reserve: the longest prompt plus the longest output
-    the random dataset can draw (it cannot know a request's output length in advance)."""
-    return int(input_len * (1 + range_ratio)) + int(output_len * (1 + range_ratio))
+RESERVE_MODES = ("max-model-len", "request")
+
+
+def reserved_length(
+    reserve: str, input_len: int, output_len: int, range_ratio: float, max_model_len: int
+) -> int:
+    """Tokens a static batch reserves per sequence (see the module docstring)."""
+    if reserve == "max-model-len":
+        return max_model_len
+    if reserve == "request":
+        # The longest prompt plus the longest output the random dataset can draw.
+        return int(input_len * (1 + range_ratio)) + int(output_len * (1 + range_ratio))
+    raise ValueError(f"--reserve must be one of {', '.join(RESERVE_MODES)}, got {reserve!r}")
+
+
+def run_baseline(
+    base: BaselineModel,
+    requests: list[SampleRequest],
+    budget_bytes: int,
+    reserved_len: int,
+    request_rate: float,
+    seed: int,
+) -> dict:
+    """Offline (rate inf, W1) or online (W2) static batching under the budget."""
+    batch = static_batch_size(budget_bytes, base.bytes_per_token, reserved_len)
+    if math.isinf(request_rate):
+        result = run_offline(base, requests, batch)
+    else:
+        result = run_online(base, requests, batch, request_rate, seed)
+    return {"reserved_len": reserved_len, **result}
 
 
 def main() -> None:
@@ -188,6 +222,8 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="--random-range-ratio")
     p.add_argument("--request-rate", type=float, default=math.inf, help="inf: offline (W1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reserve", default="max-model-len", choices=RESERVE_MODES)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0 or 0,1")
     p.add_argument("--out", default=None, help="JSON file for the result")
     args = p.parse_args()
@@ -200,12 +236,12 @@ def main() -> None:
         args.seed,
         args.range_ratio,
     )
-    longest = longest_sequence(args.input_len, args.output_len, args.range_ratio)
-    batch = static_batch_size(parse_size(args.kv_cache_memory), base.bytes_per_token, longest)
-    if math.isinf(args.request_rate):
-        result = run_offline(base, requests, batch)
-    else:
-        result = run_online(base, requests, batch, args.request_rate, args.seed)
+    reserved = reserved_length(
+        args.reserve, args.input_len, args.output_len, args.range_ratio, args.max_model_len
+    )
+    result = run_baseline(
+        base, requests, parse_size(args.kv_cache_memory), reserved, args.request_rate, args.seed
+    )
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,8 @@ def w1_dataset(args: argparse.Namespace) -> DatasetConfig:
 def run_w1_to_w3(args: argparse.Namespace, tokenizer: Any, selected: set[str]) -> dict:
     """W1, W2 (rate from W1 unless --w2-rate) and W3 on one server."""
     docs: dict[str, dict] = {}
-    server_args = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048"]
+    server_args = ["--kv-cache-memory", args.kv_cache_memory]
+    server_args += ["--max-model-len", str(args.max_model_len)]
     with KVServer(server_args, Path(args.out), args.cpus) as server:
         if "w1" in selected or ("w2" in selected and args.w2_rate is None):
             docs["W1"] = run_workload("W1", server, args, tokenizer, dataset=w1_dataset(args))
@@ -135,7 +136,8 @@ def run_w4(args: argparse.Namespace, tokenizer: Any) -> dict:
 
 
 def run_baseline(args: argparse.Namespace, docs: dict[str, dict]) -> dict:
-    """The HF static-batch baseline on W1's prompts and budget (and W2's arrival rate)."""
+    """The HF static-batch baseline on W1's prompts and budget (and W2's arrival rate), once
+    per reservation mode: {mode: {"W1": ..., "W2": ...}}."""
     import baseline_hf
 
     base = baseline_hf.load_baseline_model(args.cpus)
@@ -147,25 +149,28 @@ def run_baseline(args: argparse.Namespace, docs: dict[str, dict]) -> dict:
         args.seed,
         args.range_ratio,
     )
-    longest = baseline_hf.longest_sequence(args.input_len, args.output_len, args.range_ratio)
-    batch = baseline_hf.static_batch_size(
-        parse_size(args.kv_cache_memory), base.bytes_per_token, longest
-    )
-    print(f"\n### baseline: HF generate, static batches of {batch}", flush=True)
     out: dict[str, dict] = {}
-    if "W1" in docs:
-        out["W1"] = baseline_hf.run_offline(base, requests, batch)
-        print(json.dumps(out["W1"], indent=2), flush=True)
-    if "W2" in docs:
-        rate = docs["W2"]["config"]["request_rate"]
-        out["W2"] = baseline_hf.run_online(base, requests, batch, rate, args.seed)
-        print(json.dumps(out["W2"], indent=2), flush=True)
+    for mode in args.baseline_reserve.split(","):
+        reserved = baseline_hf.reserved_length(
+            mode, args.input_len, args.output_len, args.range_ratio, args.max_model_len
+        )
+        runs: dict[str, dict] = {}
+        for name in ("W1", "W2"):
+            if name not in docs:
+                continue
+            rate = math.inf if name == "W1" else docs["W2"]["config"]["request_rate"]
+            print(f"\n### baseline ({mode}: {reserved} tokens reserved), {name}", flush=True)
+            runs[name] = baseline_hf.run_baseline(
+                base, requests, parse_size(args.kv_cache_memory), reserved, rate, args.seed
+            )
+            print(json.dumps(runs[name], indent=2), flush=True)
+        out[mode] = runs
     return out
 
 
 def ratios(docs: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict[str, float]]:
     """kvserve / baseline throughput (higher is better for kvserve) and baseline / kvserve
-    mean end-to-end latency (higher is better for kvserve)."""
+    mean end-to-end latency (higher is better for kvserve), per workload."""
     rows = {}
     for name, base in baseline.items():
         ours = docs[name]
@@ -193,6 +198,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--range-ratio", type=float, default=0.0, help="W1/W2 lengths vary by +-this fraction"
     )
     p.add_argument("--kv-cache-memory", default="512MiB", help="W1-W3 and baseline budget")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="W1-W3 server's, and what the baseline "
+        "reserves per sequence with --baseline-reserve max-model-len",
+    )
+    p.add_argument(
+        "--baseline-reserve",
+        default="max-model-len,request",
+        help="baseline reservation modes to run (baseline_hf.py --reserve), comma-separated",
+    )
     p.add_argument("--w2-rate", type=float, default=None, help="skip W1's measurement")
     p.add_argument("--w3-num-prompts", type=int, default=64)
     p.add_argument("--w4-num-prompts", type=int, default=24)
@@ -222,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"argv": sys.argv, "kvserve": {k: _short(d) for k, d in docs.items()}}
     if args.baseline:
         summary["baseline"] = run_baseline(args, docs)
-        summary["ratios"] = ratios(docs, summary["baseline"])
+        summary["ratios"] = {mode: ratios(docs, runs) for mode, runs in summary["baseline"].items()}
     path = Path(args.out) / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "argv"}, indent=2))
