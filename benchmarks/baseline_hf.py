@@ -162,23 +162,21 @@ def _summary(
     return row
 
 
-def w1_requests(
-    tokenizer: Any,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    seed: int,
-    range_ratio: float = 0.0,
-) -> list[SampleRequest]:
-    """Exactly the prompts `kvserve bench serve --dataset-name random` sends."""
-    config = DatasetConfig(
-        num_prompts=num_prompts,
-        random_input_len=input_len,
-        random_output_len=output_len,
-        random_range_ratio=range_ratio,
-        seed=seed,
+def w1_dataset(args: argparse.Namespace) -> DatasetConfig:
+    """W1's random dataset from the arguments both scripts share (num_prompts, input_len,
+    output_len, range_ratio, seed)."""
+    return DatasetConfig(
+        num_prompts=args.num_prompts,
+        random_input_len=args.input_len,
+        random_output_len=args.output_len,
+        random_range_ratio=args.range_ratio,
+        seed=args.seed,
     )
-    return sample_requests(config, tokenizer)
+
+
+def w1_requests(tokenizer: Any, args: argparse.Namespace) -> list[SampleRequest]:
+    """Exactly the prompts `kvserve bench serve --dataset-name random` sends for W1."""
+    return sample_requests(w1_dataset(args), tokenizer)
 
 
 RESERVE_MODES = ("max-model-len", "request")
@@ -228,14 +226,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON file for the result")
     args = p.parse_args()
     base = load_baseline_model(args.cpus)
-    requests = w1_requests(
-        base.tokenizer,
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.seed,
-        args.range_ratio,
-    )
+    requests = w1_requests(base.tokenizer, args)
     reserved = reserved_length(
         args.reserve, args.input_len, args.output_len, args.range_ratio, args.max_model_len
     )

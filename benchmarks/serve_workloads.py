@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from baseline_hf import w1_dataset
 from server_process import KVServer
 
 from kvserve.bench.config import BenchConfig, DatasetConfig
@@ -71,21 +72,12 @@ def run_workload(
     return doc
 
 
-def w1_dataset(args: argparse.Namespace) -> DatasetConfig:
-    return DatasetConfig(
-        num_prompts=args.num_prompts,
-        random_input_len=args.input_len,
-        random_output_len=args.output_len,
-        random_range_ratio=args.range_ratio,
-        seed=args.seed,
-    )
-
-
 def run_w1_to_w3(args: argparse.Namespace, tokenizer: Any, selected: set[str]) -> dict:
     """W1, W2 (rate from W1 unless --w2-rate) and W3 on one server."""
     docs: dict[str, dict] = {}
     server_args = ["--kv-cache-memory", args.kv_cache_memory]
     server_args += ["--max-model-len", str(args.max_model_len)]
+    server_args += ["--kv-cache-dtype", args.kv_cache_dtype]
     with KVServer(server_args, Path(args.out), args.cpus) as server:
         if "w1" in selected or ("w2" in selected and args.w2_rate is None):
             docs["W1"] = run_workload("W1", server, args, tokenizer, dataset=w1_dataset(args))
@@ -141,14 +133,7 @@ def run_baseline(args: argparse.Namespace, docs: dict[str, dict]) -> dict:
     import baseline_hf
 
     base = baseline_hf.load_baseline_model(args.cpus)
-    requests = baseline_hf.w1_requests(
-        base.tokenizer,
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.seed,
-        args.range_ratio,
-    )
+    requests = baseline_hf.w1_requests(base.tokenizer, args)
     out: dict[str, dict] = {}
     for mode in args.baseline_reserve.split(","):
         reserved = baseline_hf.reserved_length(
@@ -204,6 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2048,
         help="W1-W3 server's, and what the baseline "
         "reserves per sequence with --baseline-reserve max-model-len",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="W1-W3 server's (the baseline's is float32)"
     )
     p.add_argument(
         "--baseline-reserve",
