@@ -10,6 +10,7 @@ from fake_runner import FakeRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.engine import scheduler as scheduler_module
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.request import Request, RequestStatus, SamplingParams
@@ -259,3 +260,42 @@ def test_request_waits_one_step_for_a_prefix_computed_in_the_same_step():
     out = s.schedule()
     assert ("b", 3, 8) in [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled]
     assert s.requests["b"].num_cached_tokens == 8
+
+
+DEFAULT_RESERVE_STEP = scheduler_module.GROWTH_RESERVE_STEP
+
+
+def _equal_length_run(monkeypatch, step: float) -> tuple[Scheduler, dict[str, list[int]]]:
+    """16 requests of 16 + 16 tokens in a cache holding 4 of them at full length."""
+    monkeypatch.setattr(scheduler_module, "GROWTH_RESERVE_STEP", step)
+    s = make_scheduler(num_blocks=32, block_size=4, budget=64)
+    for i in range(16):
+        s.add_request(request(f"r{i}", 16, 16, offset=i * 31))
+    outputs = run(
+        s, FakeRunner(s.cache_manager.block_size), lambda x: x.cache_manager.check_invariants()
+    )
+    return s, outputs
+
+
+def test_growth_reserve_stops_admit_grow_preempt_thrash(monkeypatch):
+    thrash, expected = _equal_length_run(monkeypatch, 0.0)  # admit while blocks last
+    reserved, outputs = _equal_length_run(monkeypatch, DEFAULT_RESERVE_STEP)
+    assert outputs == expected
+    # Without a reserve every wave over-admits (prompts fit 8, full lengths only 4) and
+    # preempts; with it, the first preemptions raise the reserve and later waves fit.
+    assert thrash.num_preemptions >= 8
+    assert 0 < reserved.num_preemptions <= thrash.num_preemptions // 2
+    assert reserved.cache_manager.num_free_blocks == 32
+
+
+def test_growth_reserve_is_zero_until_a_preemption_and_decays():
+    s = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    s.add_request(request("a", 8, 4))
+    s.schedule()
+    assert s.growth_reserve == 0.0
+    s.growth_reserve = 0.01
+    for _ in range(10):
+        s.schedule()
+    assert s.growth_reserve == pytest.approx(
+        max(0.0, 0.01 - 10 * scheduler_module.GROWTH_RESERVE_DECAY)
+    )

@@ -95,19 +95,22 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         cached: CachedPrefix = NO_PREFIX,
+        reserve_blocks: int = 0,
     ) -> list[int] | None:
         """Grow the request's block table to hold num_computed_tokens + num_new_tokens tokens.
 
         `cached` (only when the request has no table yet) is a prefix from find_cached_prefix;
         its tokens are included in num_computed_tokens.  Returns the newly allocated block ids,
-        or None, changing nothing, when the pool cannot supply them."""
+        or None, changing nothing, when the pool cannot supply them while keeping
+        `reserve_blocks` free afterwards."""
         table = self.block_tables.get(request_id, [])
         assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
         num_needed = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size)
         num_new_blocks = max(0, num_needed - len(table) - len(cached.block_ids))
         shared = self._shared_block_index(table, num_computed_tokens)
         num_copies = int(shared is not None)
-        if num_new_blocks + num_copies > self.pool.num_free_after_touch(cached.block_ids):
+        available = self.pool.num_free_after_touch(cached.block_ids)
+        if num_new_blocks + num_copies + reserve_blocks > available:
             return None
         if cached.block_ids:
             self.pool.touch(cached.block_ids)
