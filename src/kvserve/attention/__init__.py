@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 
 from kvserve.attention.base import AttentionBackend
@@ -21,7 +23,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         if name == "cpu-paged":
             try:
                 cpu_kernels.load_paged_decode()
-            except (cpu_kernels.KernelBuildError, OSError) as exc:
+            except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as exc:
                 raise ValueError(
                     f"--attention-backend cpu-paged: the C kernel could not be built ({exc}); "
                     "install gcc or use --attention-backend torch"
