@@ -19,17 +19,16 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchRefBackend()
     if name == "cpu-paged" and device.type != "cpu":
         raise ValueError("--attention-backend cpu-paged runs on a CPU only; use auto or torch")
-    if device.type == "cpu":
-        if name == "cpu-paged":
-            try:
-                cpu_kernels.load_paged_decode()
-            except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-                raise ValueError(
-                    f"--attention-backend cpu-paged: the C kernel could not be built ({exc}); "
-                    "install gcc or use --attention-backend torch"
-                ) from exc
-        if cpu_kernels.paged_decode_available():
-            from kvserve.attention.cpu_paged import CpuPagedBackend
+    if name == "cpu-paged":
+        try:
+            cpu_kernels.load_paged_decode()
+        except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as exc:
+            raise ValueError(
+                f"--attention-backend cpu-paged: the C kernel could not be built ({exc}); "
+                "install gcc or use --attention-backend torch"
+            ) from exc
+    elif device.type != "cpu" or not cpu_kernels.paged_decode_available():
+        return TorchRefBackend()  # auto, where the kernel cannot run
+    from kvserve.attention.cpu_paged import CpuPagedBackend
 
-            return CpuPagedBackend()
-    return TorchRefBackend()
+    return CpuPagedBackend()

@@ -19,7 +19,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
+# Imported for its side effect: torch loads its OpenMP runtime (libgomp.so.1) before the
+# kernel is loaded, so the kernel's libgomp.so.1 dependency binds to that same runtime and
+# shares torch's threads instead of starting a second pool.
+import torch  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,6 @@ def load_paged_decode() -> ctypes.CDLL:
     if not path.exists():
         logger.info("compiling the CPU paged-attention kernel into %s", path)
         _compile(compiler, path)
-    torch.ones(1)  # torch's OpenMP runtime is loaded first, so the kernel binds to it
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
