@@ -9,15 +9,7 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Any
 
-from kvserve.config import (
-    CacheConfig,
-    EngineConfig,
-    LoadConfig,
-    SchedulerConfig,
-    parse_size,
-)
-
-ENGINE_PARTS = (("load", LoadConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+from kvserve.config import ENGINE_PARTS, EngineConfig, parse_size
 
 
 def _flag(name: str) -> str:

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import ParameterError
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged")
@@ -65,7 +67,9 @@ class CacheConfig:
     kv_cache_memory: int | None = field(
         default=None,
         metadata=_help(
-            "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides --gpu-memory-utilization.",
+            "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides "
+            "--gpu-memory-utilization. On a CPU, refused when it would leave less than "
+            "max(1 GiB, 10% of RAM) of host memory available.",
             parse="size",
         ),
     )
@@ -73,14 +77,13 @@ class CacheConfig:
         default=None,
         metadata=_help(
             "Fraction of device memory for weights + activations + KV cache (default 0.9 on "
-            "a GPU). On a CPU it applies to host RAM only when given explicitly."
+            "a GPU). On a CPU, only when given: the fraction of the host memory available at "
+            "start-up for weights + KV cache, refused when it would leave less than "
+            "max(1 GiB, 10% of RAM) available."
         ),
     )
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("Reuse the KV of cached prompt prefixes.")
-    )
-    swap_space: float = field(
-        default=0.0, metadata=_help("Host memory (GiB) for swapping preempted requests' KV.")
     )
 
     def __post_init__(self) -> None:
@@ -96,8 +99,6 @@ class CacheConfig:
         util = self.gpu_memory_utilization
         if util is not None and not 0.0 < util <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
-        if self.swap_space < 0:
-            raise ValueError("--swap-space must be >= 0 GiB")
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,14 @@ class SchedulerConfig:
     max_model_len: int | None = field(
         default=None,
         metadata=_help("Maximum tokens (prompt + output) per sequence; default: the model's."),
+    )
+    allow_long_max_model_len: bool = field(
+        default=False,
+        metadata=_help(
+            "Accept a --max-model-len beyond the model's trained context "
+            "(max_position_embeddings), where outputs degrade; also "
+            "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN=1."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -171,13 +180,85 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Caps on what one request may ask for, so that no single request (or flood of them) can
+    take the engine's memory or its thread: each is checked before the engine sees the
+    request, and each error names the flag that raises the cap."""
+
+    max_prompts_per_request: int = field(
+        default=256, metadata=_help("Most prompts in one /v1/completions request.")
+    )
+    max_sequences_per_request: int = field(
+        default=256,
+        metadata=_help("Most sequences one request may start: prompts x n (x best_of)."),
+    )
+    max_stop_strings: int = field(default=16, metadata=_help("Most stop strings per request."))
+    max_stop_string_length: int = field(
+        default=256, metadata=_help("Longest stop string, in characters.")
+    )
+    max_logprobs: int = field(
+        default=20, metadata=_help("Most top logprobs per token a request may ask for.")
+    )
+    max_waiting_requests: int = field(
+        default=4096,
+        metadata=_help(
+            "Most sequences waiting to run; beyond it requests get HTTP 429 with Retry-After."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 0 or (value == 0 and name != "max_logprobs"):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    def check_fanout(self, num_prompts: int, n: int) -> None:
+        """ParameterError when a request carries too many prompts or sequences."""
+        if num_prompts > self.max_prompts_per_request:
+            raise ParameterError(
+                "prompt",
+                f"holds {num_prompts} prompts; the limit is {self.max_prompts_per_request} "
+                "(--max-prompts-per-request): split the request",
+            )
+        if num_prompts * n > self.max_sequences_per_request:
+            raise ParameterError(
+                "n",
+                f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; the limit is "
+                f"{self.max_sequences_per_request} (--max-sequences-per-request)",
+            )
+
+    def check_stop(self, stop: tuple[str, ...] | list[str]) -> None:
+        if len(stop) > self.max_stop_strings:
+            raise ParameterError(
+                "stop",
+                f"holds {len(stop)} strings; the limit is {self.max_stop_strings} "
+                "(--max-stop-strings)",
+            )
+        longest = max((len(s) for s in stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise ParameterError(
+                "stop",
+                f"holds a string of {longest} characters; the limit is "
+                f"{self.max_stop_string_length} (--max-stop-string-length)",
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, composed of the parts above."""
 
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
+
+# EngineConfig's parts, in flag-group order: the CLI and LLM(**kwargs) both read this.
+ENGINE_PARTS: tuple[tuple[str, type], ...] = (
+    ("load", LoadConfig),
+    ("cache", CacheConfig),
+    ("scheduler", SchedulerConfig),
+    ("limits", RequestLimits),
+)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
+from kvserve.config import ENGINE_PARTS, EngineConfig, LoadConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.request import SamplingParams
@@ -14,7 +14,7 @@ from kvserve.request import SamplingParams
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Split vLLM-style keyword arguments (max_model_len=..., block_size=...) into the parts."""
     parts = {}
-    for name, cls in (("load", LoadConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+    for name, cls in ENGINE_PARTS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:

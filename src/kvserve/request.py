@@ -6,8 +6,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.config import RequestLimits
+from kvserve.errors import ParameterError
+
 # Above this, a user almost certainly made a mistake (and a sort over the vocab gets costly).
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's cap on `n`
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks = [
-            ("n", 1 <= self.n <= 128, "must be between 1 and 128"),
+            ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or positive"),
@@ -56,15 +60,38 @@ class SamplingParams:
                 f"must be between 0 and {MAX_LOGPROBS}",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be integers >= 0",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise ParameterError(name, f"{why}, got {_short_repr(getattr(self, name))}")
+
+    def check_against(self, vocab_size: int, limits: RequestLimits) -> None:
+        """What only the serving engine knows: the vocabulary and its configured limits.
+        ParameterError names the field; called before a request reaches the engine thread."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ParameterError("stop_token_ids", f"must be in [0, {vocab_size}), got {bad}")
+        limits.check_stop(self.stop)
+        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
+            raise ParameterError(
+                "logprobs",
+                f"must be at most {limits.max_logprobs} (--max-logprobs), got {self.logprobs}",
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    """repr for an error message, cut short: a huge value must not make a huge response."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RequestStatus(enum.Enum):

@@ -89,19 +89,32 @@ class IncrementalDetokenizer:
         """Text safe to show: while running, hold back what could still become a stop string."""
         if finished or not self.stop or self.include_stop_str_in_output:
             return self.text
-        holdback = max(len(s) for s in self.stop) - 1
+        holdback = self._longest_stop - 1
         return self.text[: max(0, len(self.text) - holdback)]
 
     def _append(self, delta: str) -> None:
         old_len = len(self.text)
         self.text += delta
-        if self.stop:
-            longest = max(len(s) for s in self.stop)
-            window_start = max(0, old_len - longest + 1)
-            for stop in self.stop:
-                at = self.text.find(stop, window_start)
-                if at >= 0:
-                    end = at + len(stop) if self.include_stop_str_in_output else at
-                    self.text = self.text[:end]
-                    self.stopped_by = stop
-                    break
+        if not self.stop:
+            return
+        match = earliest_stop(self.text, self.stop, max(0, old_len - self._longest_stop + 1))
+        if match is not None:
+            at, stop = match
+            self.text = self.text[: at + len(stop) if self.include_stop_str_in_output else at]
+            self.stopped_by = stop
+
+    @property
+    def _longest_stop(self) -> int:
+        return max(len(s) for s in self.stop)
+
+
+def earliest_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """(position, stop string) of the match that starts first in text[start:], the longer
+    one on a tie; None when none occurs.  The text decides, not the order of `stops`: when
+    two fall in one delta, output ends where the first one begins."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop, start)
+        if at >= 0 and (best is None or (at, -len(stop)) < (best[0], -len(best[1]))):
+            best = (at, stop)
+    return best

@@ -1,6 +1,8 @@
 """AsyncLLM against a fake engine (no model, milliseconds): outputs reach the right request,
-a rejected request leaves nothing behind, leaving early aborts, a failing step ends every
-stream with EngineDeadError instead of hanging it.  The server's e2e tests cover the rest."""
+a rejected request leaves nothing behind, leaving early aborts, a failed step fails only its
+own requests, repeated failures or an error outside a step end every stream with
+EngineDeadError (never a hang) and call on_fatal, a full queue refuses with QueueFullError.
+The server's e2e tests cover the rest."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import threading
 
 import pytest
 
-from kvserve.engine.async_llm import AsyncLLM, EngineDeadError
+from kvserve.engine.async_llm import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError
+from kvserve.engine.llm_engine import StepFailedError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput, SchedulerStats
+from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
 
 
@@ -21,6 +25,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], int]] = {}  # id -> (tokens, max_tokens)
         self.aborted: list[str] = []
         self.fail_at_step = fail_at_step
+        self.poisoned: set[str] = set()  # a step with one of these fails (as LLMEngine does)
+        self.num_waiting_sequences = 0
         self.num_steps = 0
         self.threads: set[int] = set()
 
@@ -49,6 +55,11 @@ class FakeEngine:
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("injected failure")
+        bad = sorted(self.poisoned & self.requests.keys())
+        if bad:
+            for request_id in bad:  # LLMEngine aborts the step's requests, then raises
+                self.abort_request(request_id)
+            raise StepFailedError(bad, RuntimeError("injected step failure"))
         outputs = []
         for request_id, (tokens, max_tokens) in list(self.requests.items()):
             tokens.append(self.num_steps)
@@ -60,8 +71,8 @@ class FakeEngine:
         return outputs
 
 
-def run_with(engine: FakeEngine, scenario) -> None:
-    llm = AsyncLLM(engine)  # type: ignore[arg-type]
+def run_with(engine: FakeEngine, scenario, **kwargs) -> None:
+    llm = AsyncLLM(engine, **kwargs)  # type: ignore[arg-type]
     llm.start()
     try:
         asyncio.run(asyncio.wait_for(scenario(llm), timeout=10))
@@ -131,3 +142,81 @@ def test_a_failing_step_ends_streams_with_engine_dead_error():
             await llm.add_request("later", [1], SamplingParams())
 
     run_with(engine, scenario)
+
+
+async def _finish(llm: AsyncLLM, request_id: str, max_tokens: int) -> RequestOutput:
+    last = None
+    async for output in llm.generate(request_id, [1], SamplingParams(max_tokens=max_tokens)):
+        last = output
+    assert last is not None
+    return last
+
+
+def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on():
+    engine = FakeEngine()
+    engine.poisoned.add("bad")
+
+    async def scenario(llm: AsyncLLM) -> None:
+        good = asyncio.create_task(_finish(llm, "good", 20))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RequestFailedError, match="injected step failure"):
+            await _finish(llm, "bad", 20)
+        assert (await good).finished and len((await good).outputs[0].token_ids) == 20
+        assert llm.is_running and llm.error is None
+        assert len((await _finish(llm, "later", 3)).outputs[0].token_ids) == 3
+
+    run_with(engine, scenario)
+    assert "bad" in engine.aborted and engine.requests == {}
+
+
+def test_repeated_step_failures_stop_the_engine_and_call_on_fatal():
+    engine = FakeEngine()
+    engine.poisoned.update(f"bad{i}" for i in range(MAX_CONSECUTIVE_STEP_FAILURES))
+    fatal: list[BaseException] = []
+
+    async def scenario(llm: AsyncLLM) -> None:
+        for i in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
+            with pytest.raises(RequestFailedError):
+                await _finish(llm, f"bad{i}", 5)
+            assert llm.is_running
+        with pytest.raises(RequestFailedError):
+            await _finish(llm, f"bad{MAX_CONSECUTIVE_STEP_FAILURES - 1}", 5)
+        for _ in range(100):
+            if fatal:
+                break
+            await asyncio.sleep(0.01)
+        assert not llm.is_running and "in a row" in str(llm.error)
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("later", [1], SamplingParams())
+
+    run_with(engine, scenario, on_fatal=fatal.append)
+    assert len(fatal) == 1
+
+
+def test_a_failure_outside_a_step_calls_on_fatal():
+    engine = FakeEngine(fail_at_step=2)
+    fatal: list[BaseException] = []
+
+    async def scenario(llm: AsyncLLM) -> None:
+        with pytest.raises(EngineDeadError):
+            await _finish(llm, "r", 100)
+
+    run_with(engine, scenario, on_fatal=fatal.append)
+    assert [str(e) for e in fatal] == ["injected failure"]
+
+
+def test_a_full_waiting_queue_refuses_new_requests():
+    engine = FakeEngine()
+    engine.num_waiting_sequences = 3
+
+    async def scenario(llm: AsyncLLM) -> None:
+        await (await llm.add_request("fits", [1], SamplingParams(max_tokens=1))).aclose()
+        with pytest.raises(QueueFullError, match="4 sequences are waiting, the limit is 4"):
+            engine.num_waiting_sequences = 4
+            await llm.add_request("over", [1], SamplingParams(n=1))
+        engine.num_waiting_sequences = 3
+        with pytest.raises(QueueFullError):  # n counts: 3 waiting + 2 samples > 4
+            await llm.add_request("n2", [1], SamplingParams(n=2))
+
+    run_with(engine, scenario, max_waiting_sequences=4)
+    assert "over" not in engine.requests and "n2" not in engine.requests

@@ -75,7 +75,7 @@ def test_request_that_can_never_fit_is_rejected_at_submission():
     s = make_scheduler(max_len=64)
     with pytest.raises(
         ValueError,
-        match=r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 exceeds max_model_len \(64\)",
+        match=r"max_tokens \(10\) \+ prompt \(60 tokens\) = 70 exceeds max_model_len \(64\)",
     ):
         s.add_request(request("x", 60, 10))
     assert not s.has_unfinished_requests()

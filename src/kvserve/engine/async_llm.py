@@ -11,6 +11,12 @@ The engine is not thread-safe, so exactly one thread (``kvserve-engine``) ever t
 
 Outputs are cumulative, so a consumer that falls behind only needs the newest one: `generate`
 drains its queue and yields the latest output, never a backlog.
+
+Faults: a step that raises fails only its own requests (their streams get
+RequestFailedError, their blocks are freed) and the engine goes on.  When it cannot go on
+(MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, broken bookkeeping, any error outside a
+step) the thread stops, every stream gets EngineDeadError, and `on_fatal` is called so that the
+process can exit non-zero and its supervisor restart it, instead of answering 503 for ever.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.engine.outputs import RequestOutput, SchedulerStats
+from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
 
 logger = logging.getLogger("kvserve")
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the fault is not in one request: stop serving
 
 
 class EngineDeadError(RuntimeError):
@@ -52,8 +61,16 @@ class _Stream:
 class AsyncLLM:
     """Owns an LLMEngine and serializes every call to it on one background thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_sequences: int | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.max_waiting_sequences = max_waiting_sequences  # None: unbounded (offline use)
+        self.on_fatal = on_fatal  # called on the engine thread once it has stopped for good
+        self._consecutive_failures = 0
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]]
         self._commands = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -72,6 +89,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._error is None
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread stopped on its own; None while it runs or after shutdown."""
+        return self._error
+
     # ------------------------------------------------------------------ event-loop side
     async def add_request(
         self,
@@ -83,7 +105,8 @@ class AsyncLLM:
         """Add a request now and return the stream of its outputs.
 
         Raises ValueError (and nothing was added) for a request the engine rejects, so a
-        server can answer 400 before it commits to a streaming response.  The caller must
+        server can answer 400 before it commits to a streaming response; QueueFullError when
+        max_waiting_sequences are already waiting.  The caller must
         close the returned stream (``async with`` or ``close()``) unless it reads it to the
         end: closing an unfinished stream aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -136,6 +159,9 @@ class AsyncLLM:
     def _add(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: _Stream
     ) -> None:
+        limit = self.max_waiting_sequences
+        if limit is not None and self.engine.num_waiting_sequences + params.n > limit:
+            raise QueueFullError(self.engine.num_waiting_sequences, limit)
         self.engine.add_request(request_id, prompt, params)  # ValueError: nothing was added
         self._streams[request_id] = stream
 
@@ -158,6 +184,8 @@ class AsyncLLM:
             self._error = exc
         finally:
             self._fail_all(EngineDeadError("the engine stopped before the request finished"))
+        if self._error is not None and self.on_fatal is not None:
+            self.on_fatal(self._error)
 
     def _run_commands(self) -> None:
         while True:
@@ -173,7 +201,13 @@ class AsyncLLM:
                 future.set_exception(exc)
 
     def _step(self) -> None:
-        for output in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except StepFailedError as exc:
+            self._fail_requests(exc)
+            return
+        self._consecutive_failures = 0
+        for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
@@ -181,6 +215,26 @@ class AsyncLLM:
                 del self._streams[output.request_id]
             stream.put(output)
         self.stats = self.engine.get_stats()
+
+    def _fail_requests(self, exc: StepFailedError) -> None:
+        """The step's requests were aborted by the engine: end their streams with a 500-kind
+        error; re-raise (ending the engine) when steps keep failing."""
+        self._consecutive_failures += 1
+        logger.error(
+            "engine step failed (%d in a row); failing its %d request(s) %s",
+            self._consecutive_failures, len(exc.request_ids), exc.request_ids[:8],
+            exc_info=exc.cause,
+        )  # fmt: skip
+        for request_id in exc.request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RequestFailedError(f"the engine step computing this request failed "
+                                              f"({exc}); it was aborted"))  # fmt: skip
+        self.stats = self.engine.get_stats()
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(
+                f"{self._consecutive_failures} engine steps failed in a row; the last: {exc}"
+            ) from exc
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

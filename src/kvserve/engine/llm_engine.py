@@ -21,11 +21,18 @@ from kvserve.config import EngineConfig
 from kvserve.engine.outputs import (
     CompletionOutput,
     RequestOutput,
+    SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
 )
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.sizing import KVCacheSizing, kv_budget_bytes, size_kv_cache
+from kvserve.engine.sizing import (
+    KVCacheSizing,
+    kv_budget_bytes,
+    resolve_max_model_len,
+    size_kv_cache,
+)
+from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.loader import Checkpoint, load_checkpoint
@@ -37,6 +44,19 @@ from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_byt
 from kvserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("kvserve")
+
+
+class StepFailedError(RuntimeError):
+    """A step raised; the user requests it computed (`request_ids`) were aborted."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class EngineCorruptedError(RuntimeError):
+    """An invariant of the engine's state is broken: serving must stop."""
 
 
 @dataclass
@@ -71,7 +91,6 @@ class LLMEngine:
         self.dtype = platform.resolve_dtype(
             config.load.dtype, self.device, checkpoint.config.torch_dtype
         )
-        self._check_swap_space()
         self.attention = select_backend(config.load.attention_backend, self.device)
         self.tokenizer = load_tokenizer(checkpoint.path)
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids) | (
@@ -90,29 +109,17 @@ class LLMEngine:
         self._log_startup(time.monotonic() - started)
 
     # ----------------------------------------------------------------- start-up
-    def _check_swap_space(self) -> None:
-        if self.config.cache.swap_space <= 0:
-            return
-        if self.device.type == "cpu":
-            raise ValueError(
-                "--swap-space: on a CPU the KV cache already lives in host memory, so there is "
-                "nothing to swap to; drop the flag (preempted requests are recomputed)"
-            )
-        raise ValueError(
-            "--swap-space: swapping to host memory is not implemented yet; drop the flag "
-            "(preempted requests are recomputed, their full blocks mostly hit the prefix cache)"
-        )
-
     def _resolve_max_model_len(self) -> int:
-        native = self.model_config.max_position_embeddings
-        requested = self.config.scheduler.max_model_len
-        if requested is None:
-            return native
-        if requested > native:
+        """ValueError for a length beyond the trained context without the override."""
+        trained = self.model_config.max_position_embeddings
+        sched = self.config.scheduler
+        length = resolve_max_model_len(sched.max_model_len, trained, sched.allow_long_max_model_len)
+        if length > trained:
             logger.warning(
-                "--max-model-len %d exceeds the model's context length %d", requested, native
-            )
-        return requested
+                "--max-model-len %d exceeds the model's trained context of %d tokens "
+                "(allowed by the override): outputs past it may degrade", length, trained,
+            )  # fmt: skip
+        return length
 
     def _size_kv_cache(self) -> KVCacheSizing:
         cache = self.config.cache
@@ -177,10 +184,13 @@ class LLMEngine:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit."""
         if request_id in self._user_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab_size = self.model_config.vocab_size
+        params.check_against(vocab_size, self.config.limits)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if any(not 0 <= t < self.model_config.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ParameterError("prompt", f"token ids must be in [0, {vocab_size}), got {bad}")
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
@@ -237,12 +247,42 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._user_requests)
 
+    @property
+    def num_waiting_sequences(self) -> int:
+        return self.scheduler.num_waiting
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        """One step.  When anything after scheduling raises (the model, the sampler, the
+        detokenizer), only the user requests of this step are aborted (blocks freed) and
+        StepFailedError names them; the engine can go on.  EngineCorruptedError when the
+        block bookkeeping no longer adds up afterwards: the engine must not go on."""
         scheduler_output = self.scheduler.schedule()
+        try:
+            return self._run_scheduled(scheduler_output)
+        except Exception as exc:
+            failed = self._abort_step(scheduler_output)
+            try:
+                self.cache_manager.check_invariants()
+            except AssertionError as broken:
+                raise EngineCorruptedError(f"block bookkeeping broken: {broken}") from exc
+            raise StepFailedError(failed, exc) from exc
+
+    def _abort_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Abort every user request with a sequence in `scheduler_output`; their ids."""
+        failed = {
+            self._child_to_user[item.request_id]: None
+            for item in scheduler_output.scheduled
+            if item.request_id in self._child_to_user
+        }
+        for user_id in failed:
+            self.abort_request(user_id)
+        return list(failed)
+
+    def _run_scheduled(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids

@@ -28,9 +28,10 @@ Pure Python: the scheduler needs a SchedulerConfig and a KVCacheManager, nothing
 from __future__ import annotations
 
 import math
-from collections import deque
 
 from kvserve.engine.outputs import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.engine.request_queue import RequestQueue
+from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
 from kvserve.request import Request, RequestStatus, check_stop
 
@@ -50,7 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.cache_manager = cache_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()  # O(1) abort of a waiting request
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -63,12 +64,13 @@ class Scheduler:
         """Queue a request; reject at once one that could never fit (ValueError)."""
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise ParameterError("prompt", "must contain at least one token")
         max_tokens = request.sampling_params.max_tokens or 1
         if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                f"{num_prompt + max_tokens} exceeds max_model_len ({self.max_model_len})"
+            raise ParameterError(
+                "max_tokens",
+                f"({max_tokens}) + prompt ({num_prompt} tokens) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len ({self.max_model_len})",
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -84,11 +86,9 @@ class Scheduler:
         if request is None:
             return
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        else:
-            self._pending_forks[request.fork_of].remove(request)
+            self.running.remove(request)  # at most max_num_seqs long
+        elif not self.waiting.remove(request):
+            self._pending_forks[request.fork_of].remove(request)  # at most n - 1 long
         # Siblings still waiting for this request's prompt compute it themselves.
         self.waiting.extend(self._pending_forks.pop(request_id, []))
         request.status = status
@@ -97,6 +97,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: queued, preempted, or siblings awaiting their fork."""
+        return len(self.waiting) + sum(map(len, self._pending_forks.values()))
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -184,15 +189,15 @@ class Scheduler:
             if not forked:
                 cm.record_prefix_query(request.num_tokens, cached.num_tokens)
                 in_flight.update(cm.full_block_hashes(request.request_id, request.all_token_ids))
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
+            if request.num_cached_tokens < 0:  # first admission: what the cache supplied
+                request.num_cached_tokens = 0 if forked else cached.num_tokens
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             growth += own_growth
-        self.waiting.extendleft(reversed(deferred))
+        self.waiting.extendleft_in_order(deferred)
         return budget
 
     def _growth_blocks(self, request: Request, num_blocks_held: int) -> int:
@@ -282,7 +287,7 @@ class Scheduler:
         slots = sum(cm.num_blocks_of(r.request_id) for r in self.running) * cm.block_size
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + sum(map(len, self._pending_forks.values())),
+            num_waiting=self.num_waiting,
             kv_cache_usage=cm.usage,
             num_free_blocks=cm.num_free_blocks,
             num_preemptions=self.num_preemptions,

@@ -4,6 +4,7 @@ would fit.  The bytes come from kv/spec.py, the same accounting the planner uses
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,25 +47,52 @@ class KVCacheSizing:
         )
 
 
+GIB = 1024**3
+MIB = 1024**2
+ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host RAM measured after the weights are loaded, so `available` already excludes them."""
+
+    total: int
+    available: int
+
+    @property
+    def headroom(self) -> int:
+        """What must stay available once the KV cache is allocated, for the OS, the page cache
+        and this process's own growth (activations, tokenizer, HTTP buffers):
+        max(1 GiB, 10% of RAM)."""
+        return max(GIB, self.total // 10)
+
+    @property
+    def max_kv_bytes(self) -> int:
+        """The largest KV cache that leaves the headroom (may be <= 0)."""
+        return self.available - self.headroom
+
+
+def measure_host_memory() -> HostMemory:
+    return HostMemory(platform.total_host_memory(), platform.available_host_memory())
+
+
 def kv_budget_bytes(
     cache: CacheConfig,
     device: torch.device,
     weights_bytes: int,
     profile_peak_activation_bytes: Callable[[], int],
 ) -> int:
-    """Bytes for the KV cache.
+    """Bytes for the KV cache.  Call after the weights are loaded (a CPU measures free RAM).
 
     --kv-cache-memory wins.  On a GPU: utilization (default 0.9) x device memory - weights -
-    the peak activation memory of a profiling forward pass.  On a CPU, whose RAM everything
-    shares: min(4 GiB, 25% of available RAM) unless --gpu-memory-utilization is given, which
-    then applies to host RAM."""
+    the peak activation memory of a profiling forward pass.  On a CPU: cpu_kv_budget_bytes."""
+    if device.type == "cpu":
+        return cpu_kv_budget_bytes(cache, weights_bytes, measure_host_memory())
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    if device.type == "cpu" and cache.gpu_memory_utilization is None:
-        return min(platform.CPU_DEFAULT_KV_BYTES, platform.available_host_memory() // 4)
     util = cache.gpu_memory_utilization if cache.gpu_memory_utilization is not None else 0.9
     total = platform.total_device_memory(device)
-    activations = profile_peak_activation_bytes() if device.type == "cuda" else 0
+    activations = profile_peak_activation_bytes()
     budget = int(util * total) - weights_bytes - activations
     if budget <= 0:
         raise CapacityError(
@@ -73,6 +101,82 @@ def kv_budget_bytes(
             "raise --gpu-memory-utilization or set --kv-cache-memory"
         )
     return budget
+
+
+def cpu_kv_budget_bytes(cache: CacheConfig, weights_bytes: int, host: HostMemory) -> int:
+    """The KV cache in host RAM, which the OS and every other process share.
+
+    --kv-cache-memory as given; --gpu-memory-utilization U: U x what was available before the
+    weights (available now + weights) - weights, so U covers weights + KV as on a GPU;
+    neither: min(4 GiB, 25% of available).  CapacityError when a requested budget would leave
+    less than `host.headroom` available (the message names the largest safe values); the
+    default is clipped to the safe size instead."""
+    if host.max_kv_bytes < MIB:
+        raise CapacityError(
+            f"no room for a KV cache: host memory has {format_bytes(host.available)} available "
+            f"and {_headroom_text(host)} must stay free; free some memory first"
+        )
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+        asked = f"--kv-cache-memory {format_bytes(budget)}"
+    elif cache.gpu_memory_utilization is not None:
+        util = cache.gpu_memory_utilization
+        budget = int(util * (host.available + weights_bytes)) - weights_bytes
+        asked = (
+            f"--gpu-memory-utilization {util:.2f} ({util:.2f} x ({format_bytes(host.available)} "
+            f"available + {format_bytes(weights_bytes)} weights) - weights = "
+            f"{format_bytes(budget)} of KV cache)"
+        )
+    else:
+        return min(platform.CPU_DEFAULT_KV_BYTES, host.available // 4, host.max_kv_bytes)
+    safe = _safe_flags(weights_bytes, host)
+    if budget > host.max_kv_bytes:
+        raise CapacityError(
+            f"{asked} would leave less than {_headroom_text(host)} of the "
+            f"{format_bytes(host.available)} of host memory available now; {safe}"
+        )
+    if budget <= 0:
+        raise CapacityError(f"{asked} leaves no memory for the KV cache; raise it: {safe}")
+    return budget
+
+
+def _headroom_text(host: HostMemory) -> str:
+    return (
+        f"{format_bytes(host.headroom)} (max(1 GiB, 10% of {format_bytes(host.total)} RAM), "
+        "for the OS and this process)"
+    )
+
+
+def _safe_flags(weights_bytes: int, host: HostMemory) -> str:
+    """The largest safe values of both flags, rounded down to values the CLI parses."""
+    kv_mib = host.max_kv_bytes // MIB
+    util = math.floor(100 * (host.max_kv_bytes + weights_bytes) / (host.available + weights_bytes))
+    return (
+        f"the largest safe values are --kv-cache-memory {kv_mib}MiB or "
+        f"--gpu-memory-utilization {util / 100:.2f}"
+    )
+
+
+def resolve_max_model_len(requested: int | None, trained: int, allow_long: bool) -> int:
+    """--max-model-len, or the model's trained context (max_position_embeddings) by default.
+
+    Positions past the trained context were never seen in training (RoPE extrapolates badly),
+    so a longer length is refused unless the caller accepts it: --allow-long-max-model-len or
+    KVSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM: VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    if requested is None:
+        return trained
+    if requested > trained and not (allow_long or _env_flag(ALLOW_LONG_ENV)):
+        raise ValueError(
+            f"--max-model-len {requested} exceeds the model's trained context of {trained:,} "
+            "tokens (max_position_embeddings): positions beyond it were never trained and "
+            f"outputs degrade. Use --max-model-len {trained} or less, or accept it with "
+            f"--allow-long-max-model-len (or {ALLOW_LONG_ENV}=1)"
+        )
+    return requested
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> KVCacheSizing:

@@ -20,8 +20,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+NATIVE_BF16_ENV = "KVSERVE_CPU_NATIVE_BF16"
+
+
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls are then faster than float32, not emulated."""
+    """AVX512-BF16 or AMX: bfloat16 matmuls are then faster than float32, not emulated.
+
+    KVSERVE_CPU_NATIVE_BF16=0 or 1 overrides the detection both ways, so `--dtype auto` can be
+    pinned to float32 on a bf16 CPU (reproducible float32 results) and the bfloat16 path can be
+    exercised on a CPU without bf16 (tests of both auto paths on any machine)."""
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{NATIVE_BF16_ENV} must be 0 or 1 (or unset to detect), got {forced!r}")
     capability = torch.backends.cpu.get_cpu_capability()
     if "AMX" in capability or "BF16" in capability:
         return True
@@ -47,21 +59,51 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 
 
 def available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); falls back to total physical memory."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes this process could still allocate: MemAvailable from /proc/meminfo (total physical
+    memory when unreadable), capped by a cgroup v2 limit, because inside a container
+    /proc/meminfo shows the host's memory, not the container's."""
+    available = _meminfo_field("MemAvailable:") or _physical_memory()
+    limit = _read_cgroup_bytes("memory.max")
+    if limit is not None:
+        available = min(available, max(0, limit - (_read_cgroup_bytes("memory.current") or 0)))
+    return available
+
+
+def total_host_memory() -> int:
+    """Physical memory, or the cgroup v2 limit when that is smaller."""
+    limit = _read_cgroup_bytes("memory.max")
+    return min(_physical_memory(), limit) if limit is not None else _physical_memory()
 
 
 def total_device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
+    return total_host_memory()
+
+
+def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _meminfo_field(name: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(name):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _read_cgroup_bytes(name: str, root: str = "/sys/fs/cgroup") -> int | None:
+    """A cgroup v2 memory file of this process's group in bytes; None when absent or 'max'."""
+    try:
+        with open(os.path.join(root, name), encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def set_cpu_threads() -> None:

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, RequestLimits
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.server.args import ServerConfig, server_config_from_args
 from kvserve.server.errors import APIError, error_response, install_error_handlers, parse_body
@@ -41,6 +41,7 @@ from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import ChatHandler, chat_token_ids
 from kvserve.server.serving_completions import CompletionsHandler
 from kvserve.server.stats_logger import StatsLogger
+from kvserve.server.tokenization import ServerTokenizers
 
 logger = logging.getLogger("kvserve")
 
@@ -101,27 +102,30 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:
         body = await parse_body(raw, TokenizeRequest)
-        return JSONResponse(_tokenize(ctx, body).model_dump(exclude_none=True))
+        return JSONResponse((await _tokenize(ctx, body)).model_dump(exclude_none=True))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> JSONResponse:
         body = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
-        text = ctx.tokenizer.decode(body.tokens)
+        text = await ctx.tokenizers.decode(body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
-def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+async def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     """vLLM's /tokenize: a text prompt, or chat messages through the template."""
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt or messages", "prompt")
+    tokenizers = ctx.tokenizers
     if body.messages is not None:
-        token_ids = chat_token_ids(ctx, body.messages)
+        token_ids = await chat_token_ids(ctx, body.messages)
     else:
-        token_ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        token_ids = await tokenizers.encode(body.prompt, body.add_special_tokens)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = await tokenizers.convert_ids_to_tokens(token_ids)
     return TokenizeResponse(
         count=len(token_ids),
         max_model_len=ctx.max_model_len,
@@ -145,11 +149,10 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
     logger.info("kvserve serve: non-default args: %s", _non_default_args(args))
     sock = _bind(config.host, config.port)
     engine = LLMEngine(engine_config)
-    async_llm = AsyncLLM(engine)
-    async_llm.start()
+    tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs
+    async_llm = AsyncLLM(engine, engine_config.limits.max_waiting_requests)
     try:
-        ctx = _serving_context(async_llm, config)
-        _log_ready(ctx, config, sock)
+        ctx = _serving_context(async_llm, config, engine_config.limits, tokenizers)
         uv_config = uvicorn.Config(
             build_app(ctx, config),
             log_config=None,  # our logging set-up (kvserve.cli) formats uvicorn's lines too
@@ -157,16 +160,38 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=config.shutdown_timeout,
         )
         server = uvicorn.Server(uv_config)
+        async_llm.on_fatal = lambda _: _exit_soon(server)
+        async_llm.start()
+        _log_ready(ctx, config, sock)
         with _signals_end_in_return():
             server.run(sockets=[sock])
     finally:
         async_llm.shutdown()
+        tokenizers.shutdown()
         sock.close()
+    if async_llm.error is not None:
+        logger.critical(
+            "kvserve serve: the engine stopped (%s: %s); exiting with status 1 so that a "
+            "supervisor restarts the server", type(async_llm.error).__name__, async_llm.error,
+        )  # fmt: skip
+        return 1
     logger.info("kvserve serve: stopped")
     return 0
 
 
-def _serving_context(async_llm: AsyncLLM, config: ServerConfig) -> ServingContext:
+def _exit_soon(server: Any) -> None:
+    """Called on the engine thread when it stopped for good: stop serving now, without the
+    graceful wait (every open request has already been failed)."""
+    server.should_exit = True
+    server.force_exit = True
+
+
+def _serving_context(
+    async_llm: AsyncLLM,
+    config: ServerConfig,
+    limits: RequestLimits,
+    tokenizers: ServerTokenizers,
+) -> ServingContext:
     engine = async_llm.engine
     name = config.served_model_name or engine.model_name
     spec = engine.sizing.spec
@@ -177,7 +202,7 @@ def _serving_context(async_llm: AsyncLLM, config: ServerConfig) -> ServingContex
         "max_model_len": str(engine.max_model_len),
     }
     metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info)
-    return ServingContext(async_llm, name, metrics)
+    return ServingContext(async_llm, name, metrics, limits, tokenizers)
 
 
 def _bind(host: str, port: int) -> socket.socket:

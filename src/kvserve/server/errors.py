@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_llm import EngineDeadError
+from kvserve.errors import ParameterError, RequestFailedError
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("kvserve")
@@ -28,6 +29,8 @@ _TYPE_BY_STATUS = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
@@ -35,21 +38,33 @@ _TYPE_BY_STATUS = {
 class APIError(Exception):
     """Raised by handlers; becomes an OpenAI-style JSON error with `status`."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.headers = headers
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     info = ErrorInfo(
         message=message,
         type=_TYPE_BY_STATUS.get(status, "InternalServerError"),
         param=param,
         code=status,
     )
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> bytes:
@@ -98,7 +113,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
+
+    @app.exception_handler(ParameterError)
+    async def _parameter(_: Request, exc: ParameterError) -> JSONResponse:
+        return error_response(str(exc), 400, exc.param)
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(str(exc), 500)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -9,30 +9,32 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvserve.config import RequestLimits
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvserve.engine.outputs import RequestOutput
+from kvserve.errors import ParameterError, QueueFullError
 from kvserve.request import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from kvserve.server.tokenization import ServerTokenizers
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+RETRY_AFTER_S = "1"  # seconds a client told 429 should wait: the queue drains every step
 
 
 @dataclass
 class ServingContext:
-    """The engine front, the name it is served under, and the metrics: what handlers need."""
+    """The engine front, the name it is served under, the metrics, the request limits and the
+    server's own tokenizers: what handlers need."""
 
     async_llm: AsyncLLM
     model_name: str
     metrics: ServerMetrics
+    limits: RequestLimits
+    tokenizers: ServerTokenizers
     _token_texts: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.async_llm.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -42,15 +44,16 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.async_llm.engine.model_config.vocab_size
 
-    def tokenize(self, text: str) -> list[int]:
-        """The same tokenization as the engine (and offline LLM.generate) applies to text."""
-        return self.async_llm.engine.tokenize(text)
+    async def tokenize(self, text: str) -> list[int]:
+        """The same tokenization as the engine (and offline LLM.generate) applies to text,
+        on a tokenizer thread."""
+        return await self.tokenizers.encode(text)
 
     def token_text(self, token_id: int) -> str:
         """A token's text on its own, for logprobs (cached: the vocabulary is finite)."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = self.tokenizers.loop_tokenizer.decode([token_id])
         return text
 
     def check_model(self, name: str | None) -> None:
@@ -95,8 +98,10 @@ class ServingContext:
             return await self.async_llm.add_request(
                 request_id, token_ids, params, on_output=tracker.observe
             )
-        except ValueError as exc:  # what only the engine knows; validation catches the rest
-            raise APIError(str(exc)) from None
+        except ParameterError as exc:  # what only the engine knows; validation catches the rest
+            raise APIError(str(exc), exc.param) from None
+        except QueueFullError as exc:
+            raise APIError(str(exc), status=429, headers={"Retry-After": RETRY_AFTER_S}) from None
         except EngineDeadError as exc:
             raise APIError(str(exc), status=503) from None
 
@@ -123,16 +128,18 @@ def sampling_params(
     logprobs: int | None,
     renames: dict[str, str],
     vocab_size: int,
+    limits: RequestLimits,
 ) -> SamplingParams:
-    """SamplingParams from the shared fields; ValueError becomes a 400 naming the field as
-    the client spelled it (`renames` maps SamplingParams names to request names).  top_k is
-    capped at the vocabulary size, where it means "no top-k" anyway."""
+    """SamplingParams from the shared fields, checked against the vocabulary and the limits;
+    ParameterError becomes a 400 naming the field as the client spelled it (`renames` maps
+    SamplingParams names to request names).  top_k is capped at the vocabulary size, where it
+    means "no top-k" anyway."""
     _reject_unsupported(request)
     if request.seed is not None and not INT64_MIN <= request.seed <= INT64_MAX:
         raise APIError(f"seed must be a 64-bit integer, got {request.seed}", "seed")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=1 if request.n is None else request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -148,10 +155,11 @@ def sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )
-    except ValueError as exc:
-        field, _, why = str(exc).partition(" ")
-        name = renames.get(field, field)
-        raise APIError(f"{name} {why}", name) from None
+        params.check_against(vocab_size, limits)
+    except ParameterError as exc:
+        name = renames.get(exc.param, exc.param)
+        raise APIError(f"{name} {exc.reason}", name) from None
+    return params
 
 
 def _reject_unsupported(request: SamplingRequest) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_llm import EngineDeadError, RequestStream
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
+from kvserve.errors import RequestFailedError
 from kvserve.server.errors import APIError, error_body
 from kvserve.server.protocol import (
     AssistantMessage,
@@ -32,22 +34,31 @@ from kvserve.server.serving import (
     usage_of,
 )
 from kvserve.server.streaming import SSE_DONE, DeltaTracker, SSEResponse, cancel_on_disconnect, sse
-from kvserve.tokenizer import apply_chat_template
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Plain dicts for the template; content parts are joined (text is all this model reads)."""
+    """Plain dicts for the template; content parts are joined (text is all this model reads).
+    A role OpenAI does not know is a 400 naming messages[i].role."""
     if not messages:
         raise APIError("messages must contain at least one message", "messages")
     result = []
     for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise APIError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {message.role[:40]!r}",
+                f"messages[{i}].role",
+            )
         content = message.content
         if isinstance(content, list):
             kinds = {part.type for part in content} - {"text"}
             if kinds:
                 raise APIError(
-                    f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}",
-                    "messages",
+                    f"messages[{i}].content: only text parts are supported, "
+                    f"got {sorted(k[:40] for k in kinds)[:5]}",
+                    f"messages[{i}].content",
                 )
             content = "".join(part.text or "" for part in content)
         item: dict[str, Any] = {"role": message.role, "content": content or ""}
@@ -57,14 +68,15 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage]) -> list[int]:
-    """Template the conversation; a template that rejects it is the client's 400."""
+async def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage]) -> list[int]:
+    """Template the conversation on a tokenizer thread; a template that rejects it is the
+    client's 400."""
+    dicts = messages_to_dicts(messages)
     try:
-        return apply_chat_template(ctx.tokenizer, messages_to_dicts(messages))
-    except APIError:
-        raise
+        return await ctx.tokenizers.chat(dicts)
     except Exception as exc:  # noqa: BLE001 - jinja raises for roles/orders it rejects
-        raise APIError(f"messages: the chat template rejected them: {exc}", "messages") from None
+        reason = str(exc)[:200]
+        raise APIError(f"messages: the chat template rejected them: {reason}", "messages") from None
 
 
 class ChatHandler:
@@ -75,17 +87,20 @@ class ChatHandler:
         ctx = self.ctx
         ctx.check_model(body.model)
         _reject_unsupported(body)
-        token_ids = chat_token_ids(ctx, body.messages)
         max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         max_tokens = (
             body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         )
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        renames = {"logprobs": "top_logprobs", "max_tokens": max_field}
+        # Checked before templating, with a stand-in max_tokens when none was given.
+        stand_in = ctx.max_model_len if max_tokens is None else max_tokens
+        params = sampling_params(body, stand_in, top, renames, ctx.vocab_size, ctx.limits)
+        ctx.limits.check_fanout(1, params.n)
+        token_ids = await chat_token_ids(ctx, body.messages)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(1, ctx.max_model_len - len(token_ids))
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(
-            body, max_tokens, top, {"logprobs": "top_logprobs"}, ctx.vocab_size
-        )
+            params = replace(params, max_tokens=max_tokens)
         ctx.check_fits(len(token_ids), max_tokens, "messages", max_field)
         request_id = new_id("chatcmpl")
         stream = await ctx.start(request_id, token_ids, params)
@@ -166,6 +181,8 @@ class ChatHandler:
                 yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), 503))
+        except RequestFailedError as exc:
+            yield sse(error_body(str(exc), 500))
         yield SSE_DONE
 
     def _chunk(self, request_id: str, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_llm import EngineDeadError, RequestStream
 from kvserve.engine.outputs import RequestOutput, TokenLogprobs
+from kvserve.errors import RequestFailedError
 from kvserve.request import SamplingParams
 from kvserve.server.errors import APIError, error_body
 from kvserve.server.protocol import (
@@ -44,7 +45,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 @dataclass(frozen=True)
 class _Prompt:
-    text: str | None  # None for a token-id prompt (echo decodes the ids)
+    text: str | None  # a token-id prompt's decoded text only when echo asks for it
     token_ids: list[int]
 
 
@@ -56,9 +57,10 @@ class CompletionsHandler:
         ctx = self.ctx
         ctx.check_model(body.model)
         _reject_unsupported(body)
-        prompts = self._prompts(body)
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, body.logprobs, {}, ctx.vocab_size)
+        params = sampling_params(body, max_tokens, body.logprobs, {}, ctx.vocab_size, ctx.limits)
+        ctx.limits.check_fanout(len(_prompt_list(body.prompt)), params.n)  # before any tokenizing
+        prompts = await self._prompts(body)
         for prompt in prompts:
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
         request_id = new_id("cmpl")
@@ -73,20 +75,17 @@ class CompletionsHandler:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, body, prompts, finals).model_dump())
 
-    def _prompts(self, body: CompletionRequest) -> list[_Prompt]:
-        """Normalize the four prompt shapes; 400 for an empty one or a bad token id."""
-        prompt = body.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]  # type: ignore[list-item]
-        if not prompt:
-            raise APIError("prompt must not be empty", "prompt")
+    async def _prompts(self, body: CompletionRequest) -> list[_Prompt]:
+        """Normalize the four prompt shapes; 400 for an empty one or a bad token id.  Text is
+        tokenized off the event loop; echo of a token-id prompt is decoded there too."""
         prompts = []
-        for item in prompt:
+        for item in _prompt_list(body.prompt):
             if isinstance(item, str):
-                prompts.append(_Prompt(item, self.ctx.tokenize(item) if item else []))
+                prompts.append(_Prompt(item, await self.ctx.tokenize(item) if item else []))
             else:
                 self.ctx.check_token_ids(item, "prompt")
-                prompts.append(_Prompt(None, list(item)))
+                text = await self.ctx.tokenizers.decode(item) if body.echo else None
+                prompts.append(_Prompt(text, list(item)))
         return prompts
 
     # ------------------------------------------------------------------ whole response
@@ -118,10 +117,9 @@ class CompletionsHandler:
             id=request_id, model=self.ctx.model_name, choices=choices, usage=usage_of(finals)
         )
 
-    def _echo_text(self, prompt: _Prompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return self.ctx.tokenizer.decode(prompt.token_ids)
+    @staticmethod
+    def _echo_text(prompt: _Prompt) -> str:
+        return prompt.text or ""
 
     def _logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> CompletionLogprobs:
         """OpenAI's legacy shape; `top_logprobs` also holds the sampled token, as vLLM's."""
@@ -176,10 +174,21 @@ class CompletionsHandler:
                 yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), 503))
+        except RequestFailedError as exc:
+            yield sse(error_body(str(exc), 500))
         yield SSE_DONE
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice]) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices)
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The four prompt shapes as a list of prompts; 400 for an empty list."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]  # type: ignore[list-item]
+    if not prompt:
+        raise APIError("prompt must not be empty", "prompt")
+    return prompt  # type: ignore[return-value]
 
 
 def _reject_unsupported(body: CompletionRequest) -> None:
