@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from kvserve.config import RequestLimits
 from kvserve.errors import ParameterError
 
-# Above this, a user almost certainly made a mistake (and a sort over the vocab gets costly).
-MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's cap on `n`
 
 
@@ -56,8 +54,8 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                f"must be between 0 and {MAX_LOGPROBS}",
+                self.logprobs is None or self.logprobs >= 0,
+                "must be >= 0 (the cap is --max-logprobs)",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
@@ -77,10 +75,10 @@ class SamplingParams:
         if bad is not None:
             raise ParameterError("stop_token_ids", f"must be in [0, {vocab_size}), got {bad}")
         limits.check_stop(self.stop)
-        if self.logprobs is not None and self.logprobs > limits.max_logprobs:
+        cap = min(limits.max_logprobs, vocab_size)  # top-k over the vocabulary at most
+        if self.logprobs is not None and self.logprobs > cap:
             raise ParameterError(
-                "logprobs",
-                f"must be at most {limits.max_logprobs} (--max-logprobs), got {self.logprobs}",
+                "logprobs", f"must be at most {cap} (--max-logprobs), got {self.logprobs}"
             )
 
     @property
