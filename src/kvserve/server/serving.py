@@ -7,6 +7,7 @@ the engine and never disturbs the others.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 
@@ -199,3 +200,14 @@ async def collect_final(stream: RequestStream) -> RequestOutput:
             final = output
     assert final is not None and final.finished
     return final
+
+
+async def collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
+    """collect_final of every stream; when one fails (or this is cancelled), the others are
+    cancelled too, which aborts their requests instead of computing them for nobody."""
+    tasks = [asyncio.ensure_future(collect_final(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -6,7 +6,6 @@ has index ``p * n + i``, as OpenAI numbers them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import (
     ServingContext,
-    collect_final,
+    collect_all,
     new_id,
     sampling_params,
     usage_of,
@@ -68,9 +67,7 @@ class CompletionsHandler:
         if body.stream:
             events = self._stream(request_id, body, prompts, params, streams)
             return SSEResponse(events, streams)
-        finals = await cancel_on_disconnect(
-            raw, asyncio.gather(*(collect_final(s) for s in streams))
-        )
+        finals = await cancel_on_disconnect(raw, collect_all(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, body, prompts, finals).model_dump())
