@@ -51,19 +51,27 @@ def embedded_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
-    """factory: arch -> (directory, HF model in float32 eval mode)."""
+    """factory: arch -> (directory, HF model in float32 eval mode).
+
+    `initializer_range` (transformers' default 0.02) scales the random weights: at 0.02 the
+    logits stay below 1 and attention is nearly uniform, so position errors (RoPE) barely move
+    the logits; 0.1 gives sharp attention, which a bfloat16 comparison needs to see them."""
     from transformers import AutoModelForCausalLM
 
-    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+    made: dict[tuple[str, float | None], tuple[Path, torch.nn.Module]] = {}
 
-    def make(arch: str) -> tuple[Path, torch.nn.Module]:
-        if arch not in made:
+    def make(arch: str, initializer_range: float | None = None) -> tuple[Path, torch.nn.Module]:
+        key = (arch, initializer_range)
+        if key not in made:
+            config = tiny_hf_config(arch)
+            if initializer_range is not None:
+                config.initializer_range = initializer_range
             torch.manual_seed(1234)
-            model = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).float().eval()
+            model = AutoModelForCausalLM.from_config(config).float().eval()
             directory = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(directory)
             embedded_tokenizer.save_pretrained(directory)
-            made[arch] = (directory, model)
-        return made[arch]
+            made[key] = (directory, model)
+        return made[key]
 
     return make

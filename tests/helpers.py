@@ -16,8 +16,9 @@ CPU = torch.device("cpu")
 
 
 def make_cache(model, num_blocks: int, block_size: int, kv_dtype: str = "auto") -> PagedCache:
-    """A paged cache for a float32 model on the CPU."""
-    return allocate_cache(model.config, kv_dtype, torch.float32, block_size, num_blocks, CPU)
+    """A paged cache on the CPU for the model's dtype (kv_dtype auto stores that dtype)."""
+    model_dtype = next(model.parameters()).dtype
+    return allocate_cache(model.config, kv_dtype, model_dtype, block_size, num_blocks, CPU)
 
 
 @torch.inference_mode()

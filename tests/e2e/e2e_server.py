@@ -16,7 +16,9 @@ from kvserve.server.launcher import launch_server as _launch
 
 __all__ = ["SERVER_ARGS", "ServerProcess", "launch_server", "scrape", "wait_for_idle"]
 
-SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+# float32: the tests compare the server's greedy tokens with offline runs batched differently,
+# which only float32 keeps exact (--dtype auto would be bfloat16 on a CPU with native bf16).
+SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32"]
 
 
 def launch_server(

@@ -35,7 +35,7 @@ class Reference:
 
 
 def offline_reference() -> Reference:
-    llm = LLM(kv_cache_memory=128 * 2**20, max_model_len=2048)
+    llm = LLM(kv_cache_memory=128 * 2**20, max_model_len=2048, dtype="float32")  # as the server
     chat_ids = apply_chat_template(llm.get_tokenizer(), CHAT)
     keys = [PROMPT, OTHER_PROMPT, *CONCURRENT_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -28,7 +28,7 @@ def test_sizing_gives_exact_block_counts(llm):
 
 def test_refuses_to_start_when_one_sequence_cannot_fit():
     with pytest.raises(CapacityError) as err:
-        LLM(kv_cache_memory=8 * 2**20, max_model_len=8192)
+        LLM(kv_cache_memory=8 * 2**20, max_model_len=8192, dtype="float32")
     msg = str(err.value)
     # 8 MiB / (16 x 46,080) = 11 blocks = 176 tokens.
     assert "cannot hold one sequence of max_model_len 8,192 tokens" in msg

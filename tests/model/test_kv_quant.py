@@ -173,6 +173,7 @@ def test_pressure_chunked_prefill_and_prefix_sharing_with_an_8_bit_cache(tiny_di
     llm = LLM(
         tiny_dir, kv_cache_dtype=kv_dtype, kv_cache_memory=10 * bytes_per_block,
         block_size=16, max_model_len=64, max_num_batched_tokens=32, enable_prefix_caching=True,
+        dtype="float32",
     )  # fmt: skip
     engine = llm.engine
     assert engine.sizing.num_blocks == 10 and engine.sizing.spec.dtype in quant.SCALED_DTYPES
@@ -197,7 +198,7 @@ def test_parallel_samples_copy_the_scales_with_the_shared_block(tiny_dir):
     tiny random model barely attends, so logprobs are compared too: batch shapes move them
     by < 1e-3, a copy without its scales by > 0.2 (seen)."""
     llm = LLM(tiny_dir, kv_cache_dtype="int8", kv_cache_memory=2**20, block_size=16,
-              max_model_len=128, enable_prefix_caching=False)  # fmt: skip
+              max_model_len=128, enable_prefix_caching=False, dtype="float32")  # fmt: skip
     prompt = PROMPTS[0]  # 42 tokens: the third block is partial and shared
     params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=6, logprobs=0)
     together = llm.generate([prompt], params)[0].outputs
@@ -252,7 +253,7 @@ def test_eval_kv_command_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     argv = ["eval-kv", str(tiny_model_dir("llama3")[0]), "--text", str(text), "--json",
             "--kv-cache-dtypes", "auto,int8,auto", "--max-eval-tokens", "128", "--context-len",
             "64", "--chunk-size", "16", "--num-prompts", "2", "--prompt-len", "20",
-            "--max-tokens", "4"]  # fmt: skip
+            "--max-tokens", "4", "--dtype", "float32"]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["results"]

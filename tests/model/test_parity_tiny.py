@@ -35,7 +35,7 @@ def test_logits_match_transformers(tiny_model_dir, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_match_transformers(tiny_model_dir, arch):
     directory, hf = tiny_model_dir(arch)
-    llm = LLM(str(directory), kv_cache_memory=4 * 2**20, max_model_len=256)
+    llm = LLM(str(directory), kv_cache_memory=4 * 2**20, max_model_len=256, dtype="float32")
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPT, 32)
 
