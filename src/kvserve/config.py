@@ -69,7 +69,7 @@ class CacheConfig:
         metadata=_help(
             "Bytes given to the KV cache, e.g. 512MiB or 2GiB. Overrides "
             "--gpu-memory-utilization. On a CPU, refused when it would leave less than "
-            "max(1 GiB, 10% of RAM) of host memory available.",
+            "max(1 GiB, a tenth of RAM) of host memory available.",
             parse="size",
         ),
     )
@@ -79,7 +79,7 @@ class CacheConfig:
             "Fraction of device memory for weights + activations + KV cache (default 0.9 on "
             "a GPU). On a CPU, only when given: the fraction of the host memory available at "
             "start-up for weights + KV cache, refused when it would leave less than "
-            "max(1 GiB, 10% of RAM) available."
+            "max(1 GiB, a tenth of RAM) available."
         ),
     )
     enable_prefix_caching: bool = field(
