@@ -18,9 +18,9 @@ import torch
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.kv import quant
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.runner.kv_storage import allocate_kv_caches
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.errors import ParameterError
 
+GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the planner
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged")
@@ -190,7 +191,7 @@ class RequestLimits:
     )
     max_sequences_per_request: int = field(
         default=256,
-        metadata=_help("Most sequences one request may start: prompts x n (x best_of)."),
+        metadata=_help("Most sequences one request may start: prompts x n."),
     )
     max_stop_strings: int = field(default=16, metadata=_help("Most stop strings per request."))
     max_stop_string_length: int = field(

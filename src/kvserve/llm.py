@@ -7,8 +7,8 @@ from typing import Any
 
 from kvserve.config import ENGINE_PARTS, EngineConfig, LoadConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.outputs import RequestOutput
 from kvserve.request import SamplingParams
+from kvserve.step import RequestOutput
 
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -8,8 +8,8 @@ import os
 import sys
 
 from kvserve.cli import main
-from kvserve.engine.outputs import SchedulerOutput
 from kvserve.runner.model_runner import ModelRunner
+from kvserve.step import SchedulerOutput
 
 POISON = int(os.environ["KVSERVE_TEST_POISON_TOKEN"])
 _execute = ModelRunner.execute

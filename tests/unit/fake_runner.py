@@ -7,7 +7,7 @@ wrong tokens, wrong positions or a wrong shared block therefore changes the outp
 
 from __future__ import annotations
 
-from kvserve.engine.outputs import SchedulerOutput
+from kvserve.step import SchedulerOutput
 
 
 class FakeRunner:

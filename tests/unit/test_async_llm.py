@@ -13,9 +13,9 @@ import pytest
 
 from kvserve.engine.async_llm import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError
 from kvserve.engine.llm_engine import StepFailedError
-from kvserve.engine.outputs import CompletionOutput, RequestOutput, SchedulerStats
 from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
+from kvserve.step import CompletionOutput, RequestOutput, SchedulerStats
 
 
 class FakeEngine:

@@ -10,9 +10,9 @@ import torch
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv import quant
-from kvserve.runner.kv_storage import LayerKVCache
 
 pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
 

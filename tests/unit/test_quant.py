@@ -20,10 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.attention.kv_cache import allocate_kv_caches, kv_cache_bytes
 from kvserve.engine.sizing import size_kv_cache
 from kvserve.kv import quant
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.runner.kv_storage import allocate_kv_caches, kv_cache_bytes
 
 FLOAT_ERR = 2**-22
 EMBEDDED = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.sampling import SamplingBatch, _filtered_probs, sample
+from kvserve.runner.sampling import SamplingBatch, _filtered_probs, sample
 
 CPU = torch.device("cpu")
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.runner.kv_storage import LayerKVCache
+from kvserve.attention.kv_cache import LayerKVCache
 
 
 @dataclass(frozen=True)

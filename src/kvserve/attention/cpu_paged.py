@@ -16,8 +16,8 @@ import torch
 
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
-from kvserve.runner.kv_storage import LayerKVCache
 
 # Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
 _KIND_BY_DTYPE = {

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
-from kvserve.runner.kv_storage import LayerKVCache
+from kvserve.attention.kv_cache import LayerKVCache
 
 
 class TorchRefBackend:

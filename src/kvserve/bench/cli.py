@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import MISSING, fields
-from typing import Any
 
 from kvserve.bench.config import BenchConfig, DatasetConfig
+from kvserve.flags import add_fields, from_args
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,39 +19,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Load-test an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput "
         "and the KV-usage timeline from /metrics.",
     )
-    _add_fields(serve.add_argument_group("dataset"), DatasetConfig)
-    _add_fields(serve.add_argument_group("benchmark"), BenchConfig)
+    add_fields(serve.add_argument_group("dataset"), DatasetConfig)
+    add_fields(serve.add_argument_group("benchmark"), BenchConfig)
     serve.set_defaults(func=cmd_bench_serve)
-
-
-def _add_fields(group: argparse._ArgumentGroup, cls: type) -> None:
-    for f in fields(cls):
-        if "help" not in f.metadata:
-            continue  # a nested config, added by its own call
-        meta = f.metadata
-        kwargs: dict[str, Any] = {"help": meta["help"], "default": f.default}
-        text = str(f.type)
-        if text == "bool":
-            kwargs["action"] = "store_true"
-        elif "nargs" in meta:
-            kwargs["nargs"] = meta["nargs"]
-        elif "float" in text:
-            kwargs["type"] = float
-        elif "int" in text:
-            kwargs["type"] = int
-        if "choices" in meta:
-            kwargs["choices"] = meta["choices"]
-        if f.default is MISSING:
-            kwargs.pop("default")
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """ValueError (naming the flag) for bad values."""
-    dataset = DatasetConfig(**{f.name: getattr(args, f.name) for f in fields(DatasetConfig)})
-    values = {f.name: getattr(args, f.name) for f in fields(BenchConfig) if f.name != "dataset"}
-    values["goodput"] = tuple(values["goodput"] or ())
-    return BenchConfig(dataset=dataset, **values)
+    return from_args(BenchConfig, args, dataset=from_args(DatasetConfig, args))
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

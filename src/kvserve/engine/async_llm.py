@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
-from kvserve.engine.outputs import RequestOutput, SchedulerStats
 from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
+from kvserve.step import RequestOutput, SchedulerStats
 
 logger = logging.getLogger("kvserve")
 

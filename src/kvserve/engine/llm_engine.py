@@ -17,14 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvserve.attention import select_backend
+from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import EngineConfig
-from kvserve.engine.outputs import (
-    CompletionOutput,
-    RequestOutput,
-    SchedulerOutput,
-    SchedulerStats,
-    TokenLogprobs,
-)
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
     KVCacheSizing,
@@ -39,8 +33,14 @@ from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
-from kvserve.runner.kv_storage import allocate_kv_caches
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
+from kvserve.step import (
+    CompletionOutput,
+    RequestOutput,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from kvserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("kvserve")

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 
-from kvserve.engine.outputs import ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvserve.engine.request_queue import RequestQueue
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
 from kvserve.request import Request, RequestStatus, check_stop
+from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 GROWTH_RESERVE_STEP = 0.25  # added to the reserve fraction per preemption (capped at 1)
 GROWTH_RESERVE_DECAY = 0.002  # removed per step: back to 0 after 500 steps without preemption

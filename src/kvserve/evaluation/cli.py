@@ -12,7 +12,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from kvserve.cli import add_engine_args, engine_config_from_args
 from kvserve.evaluation.kv_eval import (
     EvalSettings,
     KVDtypeResult,
@@ -20,6 +19,7 @@ from kvserve.evaluation.kv_eval import (
     load_model,
 )
 from kvserve.evaluation.paged import check_kv_dtypes
+from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, from_args
 
 DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8"
 
@@ -44,17 +44,6 @@ other than auto compares auto with that one dtype.
 
 A text to try, available offline: python -m kvserve.evaluation.sample_text ref.txt"""
 
-# EvalSettings fields set by an int flag of the same name (--num-prompts: num_prompts), in
-# --help order; block_size comes from the engine's --block-size.
-INT_SETTINGS = {
-    "num_prompts": "Prompts for greedy agreement (0 skips it).",
-    "prompt_len": "Tokens per greedy prompt.",
-    "max_tokens": "Greedy tokens generated per prompt.",
-    "context_len": "Tokens per perplexity window.",
-    "chunk_size": "Prefill chunk size: chunks after a window's first read the cache.",
-    "max_eval_tokens": "Perplexity over the text's first N tokens (0: the whole text).",
-}
-
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -64,16 +53,13 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(p)
-    defaults = EvalSettings()
     p.add_argument("--text", type=Path, required=True, help="UTF-8 text file to evaluate on.")
     p.add_argument(
         "--kv-cache-dtypes",
         default=None,
         help=f"Comma-separated KV dtypes, reference first; default {DEFAULT_KV_DTYPES}.",
     )
-    for name, help_text in INT_SETTINGS.items():
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, type=int, default=getattr(defaults, name), help=help_text)
+    add_fields(p.add_argument_group("EvalSettings"), EvalSettings)
     p.add_argument("--json", action="store_true", help="Print the results as JSON.")
     p.set_defaults(func=run_eval)
 
@@ -88,8 +74,7 @@ def kv_dtypes_from_args(args: argparse.Namespace) -> list[str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
-    values = {name: getattr(args, name) for name in INT_SETTINGS}
-    return EvalSettings(**values, block_size=args.block_size)
+    return from_args(EvalSettings, args, block_size=args.block_size)
 
 
 def run_eval(args: argparse.Namespace) -> int:

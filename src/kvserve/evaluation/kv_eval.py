@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -26,12 +26,22 @@ logger = logging.getLogger("kvserve")
 
 @dataclass(frozen=True)
 class EvalSettings:
-    context_len: int = 512
-    chunk_size: int = 32
-    num_prompts: int = 8
-    prompt_len: int = 64
-    max_tokens: int = 32
-    max_eval_tokens: int = 20480  # 0: the whole text
+    """`kvserve eval-kv`'s own flags (block_size comes from the engine's --block-size)."""
+
+    num_prompts: int = field(
+        default=8, metadata={"help": "Prompts for greedy agreement (0 skips it)."}
+    )
+    prompt_len: int = field(default=64, metadata={"help": "Tokens per greedy prompt."})
+    max_tokens: int = field(default=32, metadata={"help": "Greedy tokens generated per prompt."})
+    context_len: int = field(default=512, metadata={"help": "Tokens per perplexity window."})
+    chunk_size: int = field(
+        default=32,
+        metadata={"help": "Prefill chunk size: chunks after a window's first read the cache."},
+    )
+    max_eval_tokens: int = field(
+        default=20480,
+        metadata={"help": "Perplexity over the text's first N tokens (0: the whole text)."},
+    )
     block_size: int = 16
 
     def __post_init__(self) -> None:

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import KV_CACHE_DTYPES, ModelConfig
-from kvserve.engine.outputs import ScheduledRequest
 from kvserve.kv.spec import KVCacheSpec, kv_cache_spec
 from kvserve.request import SamplingParams
-from kvserve.runner.kv_storage import LayerKVCache, allocate_kv_caches
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
+from kvserve.step import ScheduledRequest
 
 # Unquantized storage dtypes accepted by the evaluation only: a 16-bit cache under a float32
 # model is the "16-bit baseline" on CPUs where the model itself runs in float32.

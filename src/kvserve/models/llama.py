@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
-from kvserve.runner.kv_storage import LayerKVCache
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

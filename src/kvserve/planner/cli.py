@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from kvserve.config import KV_CACHE_DTYPES, parse_size
+from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, LoadConfig, parse_size
+from kvserve.flags import add_fields, from_args
 from kvserve.planner.gpus import DEFAULT_GPU, GPU, find_gpu, gpu_names
 from kvserve.planner.model import PlanError
 from kvserve.planner.plan import PlanInputs, make_plan
@@ -19,6 +22,50 @@ from kvserve.planner.presets import preset_names
 from kvserve.planner.readers import load_model_shape
 from kvserve.planner.report import format_plan, plan_to_json, plot_plan
 from kvserve.planner.weights import WEIGHT_DTYPE_BITS
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """`kvserve plan`'s own flags; the KV flags it shares with `kvserve serve` come from the
+    engine's CacheConfig and LoadConfig fields."""
+
+    context: int | None = field(
+        default=None,
+        metadata=_help(
+            "Tokens per sequence (default: the model's max_position_embeddings).", metavar="N"
+        ),
+    )
+    batch: int = field(
+        default=1,
+        metadata=_help("Concurrent sequences to check (and curves to plot).", metavar="N"),
+    )
+    gpu: str | None = field(
+        default=None, metadata=_help(f"GPU preset (default {DEFAULT_GPU}).", metavar="NAME")
+    )
+    memory: str | None = field(
+        default=None,
+        metadata=_help("Memory per GPU instead of a preset, e.g. 80GiB or 24GB.", metavar="SIZE"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "Weight dtype (default: the checkpoint's).", choices=("auto", *WEIGHT_DTYPE_BITS)
+        ),
+    )
+    json: bool = field(default=False, metadata=_help("Print the plan as JSON."))
+    plot: str | None = field(
+        default=None,
+        metadata=_help(
+            "Draw KV memory against context length for 1..batch sequences.", metavar="FILE.png"
+        ),
+    )
+
+
+SHARED_CACHE_FLAGS = ("block_size", "kv_cache_dtype", "kv_cache_memory", "gpu_memory_utilization")
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,102 +81,40 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODEL|PRESET",
         help="GGUF file, Hugging Face directory, config.json, or a preset name.",
     )
-    parser.add_argument(
-        "--context",
-        metavar="N",
-        type=int,
-        default=None,
-        help="Tokens per sequence (default: the model's max_position_embeddings).",
-    )
-    parser.add_argument(
-        "--batch",
-        metavar="N",
-        type=int,
-        default=1,
-        help="Concurrent sequences to check (and curves to plot).",
-    )
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--gpu", metavar="NAME", default=None, help=f"GPU preset (default {DEFAULT_GPU})."
-    )
-    where.add_argument(
-        "--memory",
-        metavar="SIZE",
-        default=None,
-        help="Memory per GPU instead of a preset, e.g. 80GiB or 24GB.",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        metavar="F",
-        type=float,
-        default=0.9,
-        help="Fraction of GPU memory for weights + KV cache (default 0.9).",
-    )
-    parser.add_argument(
-        "--kv-cache-memory",
-        metavar="SIZE",
-        default=None,
-        help="KV budget given directly, as `kvserve serve --kv-cache-memory` (skips GPU math).",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="KV dtype to highlight; all are shown side by side.",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", *WEIGHT_DTYPE_BITS),
-        help="Weight dtype (default: the checkpoint's).",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        metavar="N",
-        type=int,
-        default=1,
-        help="Tensor-parallel ranks; numbers are per GPU.",
-    )
-    parser.add_argument(
-        "--block-size", metavar="N", type=int, default=16, help="Tokens per KV block."
-    )
-    parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="FILE.png",
-        help="Draw KV memory against context length for 1..batch sequences.",
-    )
+    add_fields(parser, PlanOptions, skip=("gpu", "memory"))
+    add_fields(parser.add_mutually_exclusive_group(), PlanOptions, only=("gpu", "memory"))
+    group = parser.add_argument_group("shared with kvserve serve")
+    add_fields(group, CacheConfig, only=SHARED_CACHE_FLAGS)
+    add_fields(group, LoadConfig, only=("tensor_parallel_size",))
     parser.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan (and draw it); 2 with one error line on bad input."""
     try:
+        options = from_args(PlanOptions, args)
+        cache = from_args(CacheConfig, args)  # the engine's rules and messages for these flags
         shape = load_model_shape(args.model)
-        gpu = _gpu(args.gpu, args.memory)
+        gpu = _gpu(options.gpu, options.memory)
+        utilization = cache.gpu_memory_utilization
         inputs = PlanInputs(
-            gpu_name=gpu.name, gpu_memory=gpu.memory_bytes, context_len=args.context,
-            batch_size=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-            block_size=args.block_size, weight_dtype=args.dtype,
-            kv_cache_memory=_optional_size(args.kv_cache_memory),
+            gpu_name=gpu.name, gpu_memory=gpu.memory_bytes, context_len=options.context,
+            batch_size=options.batch, kv_cache_dtype=cache.kv_cache_dtype,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION_DEFAULT if utilization is None
+            else utilization,
+            tensor_parallel_size=args.tensor_parallel_size, block_size=cache.block_size,
+            weight_dtype=options.dtype, kv_cache_memory=cache.kv_cache_memory,
         )  # fmt: skip
         plan = make_plan(shape, inputs)
-        if args.plot is not None:
-            plot_plan(plan, shape, args.plot)
+        if options.plot is not None:
+            plot_plan(plan, shape, Path(options.plot))
     except (PlanError, ValueError, OSError) as exc:
         print(f"kvserve plan: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    print(plan_to_json(plan) if args.json else format_plan(plan))
-    if args.plot is not None and not args.json:
-        print(f"plot written to {args.plot}")
+    print(plan_to_json(plan) if options.json else format_plan(plan))
+    if options.plot is not None and not options.json:
+        print(f"plot written to {options.plot}")
     return 0
-
-
-def _optional_size(text: str | None) -> int | None:
-    return None if text is None else parse_size(text)
 
 
 def _gpu(name: str | None, memory: str | None) -> GPU:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvserve.config import CacheConfig
+from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.planner.layers import KVLayout, kv_layout
 from kvserve.planner.model import ModelShape, PlanError
@@ -160,7 +160,7 @@ class PlanInputs:
     gpu_memory: int
     context_len: int | None = None  # None: the model's max_position_embeddings
     batch_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION_DEFAULT
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
-from kvserve.engine.outputs import (
+from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.request import SamplingParams
+from kvserve.runner.sampling import SamplingBatch, sample
+from kvserve.step import (
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
-from kvserve.request import SamplingParams
-from kvserve.runner.kv_storage import LayerKVCache
-from kvserve.sampling import SamplingBatch, sample
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def profile_peak_activation_bytes(
 ) -> int:
     """Peak CUDA memory of one forward over `num_tokens` prompt tokens (one sequence), beyond
     what was allocated before; used to size the KV cache on a GPU."""
-    from kvserve.runner.kv_storage import allocate_kv_caches
+    from kvserve.attention.kv_cache import allocate_kv_caches
 
     num_blocks = spec.num_blocks_for_tokens(num_tokens)
     caches = allocate_kv_caches(spec, num_blocks, device)

@@ -8,7 +8,6 @@ engine thread stops), and run_server returns 0.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -23,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.config import EngineConfig, RequestLimits
 from kvserve.engine.async_llm import AsyncLLM
-from kvserve.server.args import ServerConfig, server_config_from_args
+from kvserve.flags import non_default_flags
+from kvserve.server.args import ServerConfig
 from kvserve.server.errors import APIError, error_response, install_error_handlers, parse_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -135,7 +135,7 @@ async def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespo
 
 
 # ---------------------------------------------------------------------- process entry point
-def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Bind, load the engine, serve until SIGTERM/SIGINT; 0 after a clean shutdown.
 
     ValueError (bad flag, port in use, KV cache too small) reaches the CLI as a one-line
@@ -145,8 +145,9 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
 
     from kvserve.engine.llm_engine import LLMEngine
 
-    config = server_config_from_args(args)
-    logger.info("kvserve serve: non-default args: %s", _non_default_args(args))
+    logger.info(
+        "kvserve serve: non-default args: %s", _non_default_args(engine_config, config)
+    )
     sock = _bind(config.host, config.port)
     engine = LLMEngine(engine_config)
     tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs
@@ -156,7 +157,7 @@ def run_server(engine_config: EngineConfig, args: argparse.Namespace) -> int:
         uv_config = uvicorn.Config(
             build_app(ctx, config),
             log_config=None,  # our logging set-up (kvserve.cli) formats uvicorn's lines too
-            access_log=config.access_log,
+            access_log=not config.disable_uvicorn_access_log,
             timeout_graceful_shutdown=config.shutdown_timeout,
         )
         server = uvicorn.Server(uv_config)
@@ -234,13 +235,8 @@ def _signals_end_in_return() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _non_default_args(args: argparse.Namespace) -> dict[str, Any]:
-    from kvserve.cli import build_parser
-
-    defaults = vars(build_parser().parse_args(["serve"]))
-    given = {
-        k: v for k, v in vars(args).items() if k not in ("func", "command") and defaults.get(k) != v
-    }
+def _non_default_args(engine_config: EngineConfig, config: ServerConfig) -> dict[str, Any]:
+    given = non_default_flags([engine_config, config])
     if given.get("api_key"):
         given["api_key"] = "<hidden>"
     return given

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 from kvserve.config import RequestLimits
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kvserve.engine.outputs import RequestOutput
 from kvserve.errors import ParameterError, QueueFullError
 from kvserve.request import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from kvserve.server.tokenization import ServerTokenizers
+from kvserve.step import RequestOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 RETRY_AFTER_S = "1"  # seconds a client told 429 should wait: the queue drains every step

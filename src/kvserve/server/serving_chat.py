@@ -10,7 +10,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_llm import EngineDeadError, RequestStream
-from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.errors import RequestFailedError
 from kvserve.server.errors import APIError, error_body
 from kvserve.server.protocol import (
@@ -34,6 +33,7 @@ from kvserve.server.serving import (
     usage_of,
 )
 from kvserve.server.streaming import SSE_DONE, DeltaTracker, SSEResponse, cancel_on_disconnect, sse
+from kvserve.step import RequestOutput, TokenLogprobs
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 

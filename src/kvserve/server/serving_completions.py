@@ -13,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_llm import EngineDeadError, RequestStream
-from kvserve.engine.outputs import RequestOutput, TokenLogprobs
 from kvserve.errors import RequestFailedError
 from kvserve.request import SamplingParams
 from kvserve.server.errors import APIError, error_body
@@ -38,6 +37,7 @@ from kvserve.server.streaming import (
     merged,
     sse,
 )
+from kvserve.step import RequestOutput, TokenLogprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.engine.outputs import SchedulerStats
 from kvserve.server.metrics import ServerMetrics
+from kvserve.step import SchedulerStats
 
 logger = logging.getLogger("kvserve")
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from kvserve.engine.async_llm import RequestStream
-from kvserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvserve.step import CompletionOutput, RequestOutput, TokenLogprobs
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
