@@ -78,11 +78,8 @@ def load_kernel(directory: Path, compiler: str, features: str) -> ctypes.CDLL:
             directory, private = Path(tempfile.mkdtemp(prefix="kvserve-kernels-")), True
             path = directory / path.name
     logger.info("compiling the CPU paged-attention kernel into %s", path)
-    _compile(compiler, path)
     try:
-        return _open(path)
-    except (OSError, AttributeError) as exc:
-        raise KernelBuildError(f"the freshly built {path} does not load: {exc}") from exc
+        return _build_and_open(compiler, path)
     finally:
         if private:  # a one-off directory: the loaded mapping outlives the file on POSIX
             shutil.rmtree(directory, ignore_errors=True)
@@ -176,22 +173,33 @@ def _try_remove(path: Path) -> bool:
     return True
 
 
-def _compile(compiler: str, target: Path) -> None:
-    """Compile to a temporary name, then rename: concurrent processes never load half a file.
-    The linker creates its output with the umask's mode, so it is set to 0700 before the
-    rename."""
+def _build_and_open(compiler: str, target: Path) -> ctypes.CDLL:
+    """Compile to a temporary name beside `target`, load it from there, then rename it into
+    place.  So concurrent processes never load half a file, a build that does not load never
+    enters the cache, and the handle is a new one even when this process already loaded a
+    broken library under the target's name (dlopen hands back the handle of a loaded path)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
-        os.chmod(tmp, 0o700)
+        _compile(compiler, Path(tmp))
+        try:
+            lib = _open(Path(tmp))
+        except (OSError, AttributeError) as exc:
+            raise KernelBuildError(f"the freshly built kernel does not load: {exc}") from exc
         os.replace(tmp, target)
+        return lib
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _compile(compiler: str, output: Path) -> None:
+    """The linker creates its output with the umask's mode: set 0700 (owner only)."""
+    cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(output), "-lm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise KernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+    os.chmod(output, 0o700)
 
 
 def _open(path: Path) -> ctypes.CDLL:
