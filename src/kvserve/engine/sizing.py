@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import CacheConfig, format_bytes
+from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, format_bytes
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.runner import platform
 
@@ -90,7 +90,9 @@ def kv_budget_bytes(
         return cpu_kv_budget_bytes(cache, weights_bytes, measure_host_memory())
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    util = cache.gpu_memory_utilization if cache.gpu_memory_utilization is not None else 0.9
+    util = cache.gpu_memory_utilization
+    if util is None:
+        util = GPU_MEMORY_UTILIZATION_DEFAULT
     total = platform.total_device_memory(device)
     activations = profile_peak_activation_bytes()
     budget = int(util * total) - weights_bytes - activations
