@@ -145,9 +145,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 
     from kvserve.engine.llm_engine import LLMEngine
 
-    logger.info(
-        "kvserve serve: non-default args: %s", _non_default_args(engine_config, config)
-    )
+    logger.info("kvserve serve: non-default args: %s", _non_default_args(engine_config, config))
     sock = _bind(config.host, config.port)
     engine = LLMEngine(engine_config)
     tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs

@@ -9,9 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.engine.async_llm import EngineDeadError, RequestStream
-from kvserve.errors import RequestFailedError
-from kvserve.server.errors import APIError, error_body
+from kvserve.engine.async_llm import RequestStream
+from kvserve.server.errors import APIError
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -32,7 +31,7 @@ from kvserve.server.serving import (
     sampling_params,
     usage_of,
 )
-from kvserve.server.streaming import SSE_DONE, DeltaTracker, SSEResponse, cancel_on_disconnect, sse
+from kvserve.server.streaming import DeltaTracker, SSEResponse, cancel_on_disconnect, sse
 from kvserve.step import RequestOutput, TokenLogprobs
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
@@ -157,33 +156,27 @@ class ChatHandler:
         yield sse(self._chunk(request_id, role))
         tracker = DeltaTracker()
         final = None
-        try:
-            async for output in stream:
-                final = output
-                for out in output.outputs:
-                    delta = tracker.delta(out.index, out)
-                    if delta is None:
-                        continue
-                    logprobs = None
-                    if body.logprobs and delta.logprobs is not None:
-                        logprobs = self._logprobs(delta.logprobs)
-                    choice = ChatStreamChoice(
-                        index=out.index,
-                        delta=DeltaMessage(content=delta.text),
-                        logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
-                    )
-                    yield sse(self._chunk(request_id, [choice]))
-            options = body.stream_options
-            if options is not None and options.include_usage and final is not None:
-                usage = usage_of([final])
-                yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), 503))
-        except RequestFailedError as exc:
-            yield sse(error_body(str(exc), 500))
-        yield SSE_DONE
+        async for output in stream:
+            final = output
+            for out in output.outputs:
+                delta = tracker.delta(out.index, out)
+                if delta is None:
+                    continue
+                logprobs = None
+                if body.logprobs and delta.logprobs is not None:
+                    logprobs = self._logprobs(delta.logprobs)
+                choice = ChatStreamChoice(
+                    index=out.index,
+                    delta=DeltaMessage(content=delta.text),
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                yield sse(self._chunk(request_id, [choice]))
+        options = body.stream_options
+        if options is not None and options.include_usage and final is not None:
+            usage = usage_of([final])
+            yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
 
     def _chunk(self, request_id: str, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, model=self.ctx.model_name, choices=choices)

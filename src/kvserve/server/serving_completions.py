@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve.engine.async_llm import EngineDeadError, RequestStream
-from kvserve.errors import RequestFailedError
+from kvserve.engine.async_llm import RequestStream
 from kvserve.request import SamplingParams
-from kvserve.server.errors import APIError, error_body
+from kvserve.server.errors import APIError
 from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,7 +29,6 @@ from kvserve.server.serving import (
     usage_of,
 )
 from kvserve.server.streaming import (
-    SSE_DONE,
     DeltaTracker,
     SSEResponse,
     cancel_on_disconnect,
@@ -144,36 +142,30 @@ class CompletionsHandler:
     ) -> AsyncIterator[str]:
         tracker = DeltaTracker()
         finals: dict[int, RequestOutput] = {}
-        try:
-            async for p_index, output in merged(streams):
-                if output.finished:
-                    finals[p_index] = output
-                for out in output.outputs:
-                    index = p_index * params.n + out.index
-                    delta = tracker.delta(index, out)
-                    if delta is None:
-                        continue
-                    prefix = self._echo_text(prompts[p_index]) if body.echo and delta.first else ""
-                    logprobs = None
-                    if body.logprobs is not None and delta.logprobs is not None:
-                        offset = delta.text_offset + len(prefix)
-                        logprobs = self._logprobs(delta.logprobs, offset)
-                    choice = CompletionChoice(
-                        index=index,
-                        text=prefix + delta.text,
-                        logprobs=logprobs,
-                        finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason,
-                    )
-                    yield sse(self._chunk(request_id, [choice]))
-            if body.stream_options is not None and body.stream_options.include_usage:
-                usage = usage_of([finals[i] for i in sorted(finals)])
-                yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), 503))
-        except RequestFailedError as exc:
-            yield sse(error_body(str(exc), 500))
-        yield SSE_DONE
+        async for p_index, output in merged(streams):
+            if output.finished:
+                finals[p_index] = output
+            for out in output.outputs:
+                index = p_index * params.n + out.index
+                delta = tracker.delta(index, out)
+                if delta is None:
+                    continue
+                prefix = self._echo_text(prompts[p_index]) if body.echo and delta.first else ""
+                logprobs = None
+                if body.logprobs is not None and delta.logprobs is not None:
+                    offset = delta.text_offset + len(prefix)
+                    logprobs = self._logprobs(delta.logprobs, offset)
+                choice = CompletionChoice(
+                    index=index,
+                    text=prefix + delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                yield sse(self._chunk(request_id, [choice]))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = usage_of([finals[i] for i in sorted(finals)])
+            yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice]) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices)

@@ -12,7 +12,9 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
-from kvserve.engine.async_llm import RequestStream
+from kvserve.engine.async_llm import EngineDeadError, RequestStream
+from kvserve.errors import RequestFailedError
+from kvserve.server.errors import error_body
 from kvserve.step import CompletionOutput, RequestOutput, TokenLogprobs
 
 T = TypeVar("T")
@@ -60,13 +62,28 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             stream.close()
 
 
+async def _ending_in_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, then `data: [DONE]`; an engine failure first becomes an error event (the
+    status line was sent long ago): 503 when the engine stopped, 500 when the step computing
+    this request failed."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), 503))
+    except RequestFailedError as exc:
+        yield sse(error_body(str(exc), 500))
+    yield SSE_DONE
+
+
 class SSEResponse(StreamingResponse):
-    """A server-sent-events response that aborts its requests however the response ends:
-    normally, by an error, or by a client that hung up (Starlette cancels the body iterator,
-    which may never have started, so its own `finally` cannot be relied on)."""
+    """A server-sent-events response (ending in `data: [DONE]`) that aborts its requests
+    however the response ends: normally, by an error, or by a client that hung up (Starlette
+    cancels the body iterator, which may never have started, so its own `finally` cannot be
+    relied on)."""
 
     def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
-        super().__init__(content, media_type="text/event-stream",
+        super().__init__(_ending_in_done(content), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})  # fmt: skip
         self._streams = streams
 
