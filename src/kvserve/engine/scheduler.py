@@ -169,7 +169,9 @@ class Scheduler:
                 if forked
                 else cm.find_cached_prefix(request.request_id, request.all_token_ids)
             )
-            if not forked and self._next_block_in_flight(request, cached.block_ids, in_flight):
+            if not forked and cm.next_block_pending(
+                request.request_id, request.all_token_ids, cached, in_flight
+            ):
                 deferred.append(request)
                 continue
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
@@ -182,13 +184,13 @@ class Scheduler:
                 cm.allocate_slots(request.request_id, num_computed, num_new, cached, reserve)
                 is None
             ):
-                if not forked:
-                    cm.free(request.request_id)  # drop the hashes computed by the lookup
                 self.waiting.appendleft(request)
                 break
             if not forked:
                 cm.record_prefix_query(request.num_tokens, cached.num_tokens)
-                in_flight.update(cm.full_block_hashes(request.request_id, request.all_token_ids))
+                in_flight.update(
+                    cm.hashes_computed_by(request.request_id, request.all_token_ids, num_computed)
+                )
             if request.num_cached_tokens < 0:  # first admission: what the cache supplied
                 request.num_cached_tokens = 0 if forked else cached.num_tokens
             request.num_computed_tokens = num_computed
@@ -210,28 +212,17 @@ class Scheduler:
         return max(0, math.ceil(longest / self.cache_manager.block_size) - num_blocks_held)
 
     def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
-        """Hashes of full blocks that this step's prefills compute (not yet in the cache)."""
-        cm = self.cache_manager
+        """Keys of the full blocks that this step's prefills compute (not yet in the cache)."""
         hashes: set[bytes] = set()
-        if not cm.enable_caching:
-            return hashes
         for item in scheduled:
             if item.num_tokens > 1:
-                request = self.requests[item.request_id]
-                first = item.start_position // cm.block_size
-                hashes.update(cm.full_block_hashes(item.request_id, request.all_token_ids)[first:])
+                tokens = self.requests[item.request_id].all_token_ids
+                hashes.update(
+                    self.cache_manager.hashes_computed_by(
+                        item.request_id, tokens, item.start_position
+                    )
+                )
         return hashes
-
-    def _next_block_in_flight(
-        self, request: Request, cached_block_ids: list[int], in_flight: set[bytes]
-    ) -> bool:
-        if not in_flight:
-            return False
-        tokens = request.all_token_ids
-        hashes = self.cache_manager.full_block_hashes(request.request_id, tokens)
-        index = len(cached_block_ids)
-        could_hit = index < (len(tokens) - 1) // self.cache_manager.block_size  # see lookup
-        return could_hit and hashes[index] in in_flight
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -239,7 +230,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
-            block_table=list(self.cache_manager.block_tables[request.request_id]),
+            block_table=self.cache_manager.block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,

@@ -11,6 +11,12 @@ One request's tokens and blocks (block_size 4):
 * ``allocate_slots`` grows the table to hold ``num_computed + num_new`` tokens: all or nothing.
 * ``cache_full_blocks`` hashes blocks that became full once their tokens were computed.
 * ``free`` drops the request's references, tail first, so chain tails are evicted first.
+* ``hashes_computed_by`` / ``next_block_pending`` let a scheduler hold back a request whose
+  next block another request is computing right now, without knowing how blocks are hashed.
+
+The scheduler uses only these methods (and ``block_table``, ``num_blocks_of``,
+``take_block_copies``, ``record_prefix_query`` and the usage figures): every hashing rule,
+including "the last token is never a hit", lives here.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -67,27 +73,60 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def full_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
-        """Keys of the request's full blocks (computed once per request, then extended)."""
+    def _full_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        """Keys of the request's full blocks, memoized per request (extended as it grows,
+        dropped by `free`)."""
         if not self.enable_caching:
             return []
         hashes = self._block_hashes.setdefault(request_id, [])
         extend_block_hashes(hashes, token_ids, self.block_size, self.extra_key)
         return hashes
 
+    def _max_cached_blocks(self, num_tokens: int) -> int:
+        """A prefix hit never covers the last token: its logits are needed to sample."""
+        return (num_tokens - 1) // self.block_size
+
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
         """Longest cached run of full blocks starting at token 0, leaving >= 1 token to compute.
-        Pure lookup: takes no references."""
+        Takes no references and changes no block (it memoizes the request's hashes)."""
         if not self.enable_caching:
             return NO_PREFIX
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        max_blocks = self._max_cached_blocks(len(token_ids))
         block_ids: list[int] = []
-        for block_hash in self.full_block_hashes(request_id, token_ids)[:max_blocks]:
+        for block_hash in self._full_block_hashes(request_id, token_ids)[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
         return CachedPrefix(block_ids, len(block_ids) * self.block_size)
+
+    def hashes_computed_by(
+        self, request_id: str, token_ids: Sequence[int], start_token: int
+    ) -> list[bytes]:
+        """Keys of the full blocks a prefill from `start_token` on will compute and cache (none
+        with caching off): a scheduler uses them to spot requests about to share a prefix."""
+        return self._full_block_hashes(request_id, token_ids)[start_token // self.block_size :]
+
+    def next_block_pending(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        cached: CachedPrefix,
+        pending: set[bytes],
+    ) -> bool:
+        """True when the request's first block after `cached` could be a hit and is among
+        `pending` (being computed by another request this step): waiting one step turns its
+        computation into a cache hit."""
+        if not pending:
+            return False
+        index = len(cached.block_ids)
+        if index >= self._max_cached_blocks(len(token_ids)):
+            return False
+        return self._full_block_hashes(request_id, token_ids)[index] in pending
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block ids, in token order."""
+        return list(self.block_tables.get(request_id, ()))
 
     def allocate_slots(
         self,
@@ -167,7 +206,7 @@ class KVCacheManager:
         start = self._num_cached_blocks[request_id]
         if num_full <= start:
             return
-        hashes = self.full_block_hashes(request_id, token_ids[: num_full * self.block_size])
+        hashes = self._full_block_hashes(request_id, token_ids[: num_full * self.block_size])
         table = self.block_tables[request_id]
         for i in range(start, num_full):
             if self.pool.blocks[table[i]].block_hash is None:
