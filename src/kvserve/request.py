@@ -150,21 +150,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-
-def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
-    """Token-level stop conditions after a token was appended (stop strings live in the
-    detokenizer).  Sets request.stop_reason when a stop token matched."""
-    params = request.sampling_params
-    last = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and last in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            request.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None

@@ -1,4 +1,4 @@
-"""Tokenizer (Hugging Face), chat template, incremental detokenizer and stop strings.
+"""Tokenizer (Hugging Face), chat template and incremental detokenizer.
 
 For a GGUF file, transformers converts the embedded vocabulary into a fast tokenizer; that
 takes seconds, so the converted tokenizer is saved once under ~/.cache/kvserve (or
@@ -54,22 +54,18 @@ class IncrementalDetokenizer:
 
     Decodes a short window (from `prefix_offset`) so each step costs O(window), and holds back
     text ending in an incomplete UTF-8 character (U+FFFD) until the next token completes it.
-    Stop strings are searched only where the new text could complete one.
+    Stop strings are the engine's (engine/stopping.py): it may cut `text` short.
     """
 
     tokenizer: PreTrainedTokenizerBase
     skip_special_tokens: bool = True
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
-    stopped_by: str | None = None
 
     def add(self, token_ids: list[int]) -> None:
-        """Append tokens to `text`.  When a stop string matches, `text` is truncated there and
-        `stopped_by` names it."""
+        """Append tokens, and to `text` whatever text they complete."""
         self.token_ids.extend(token_ids)
         decode = self.tokenizer.decode
         prefix = decode(
@@ -81,40 +77,5 @@ class IncrementalDetokenizer:
         )
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
-        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self._append(delta)
-
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show: while running, hold back what could still become a stop string."""
-        if finished or not self.stop or self.include_stop_str_in_output:
-            return self.text
-        holdback = self._longest_stop - 1
-        return self.text[: max(0, len(self.text) - holdback)]
-
-    def _append(self, delta: str) -> None:
-        old_len = len(self.text)
-        self.text += delta
-        if not self.stop:
-            return
-        match = earliest_stop(self.text, self.stop, max(0, old_len - self._longest_stop + 1))
-        if match is not None:
-            at, stop = match
-            self.text = self.text[: at + len(stop) if self.include_stop_str_in_output else at]
-            self.stopped_by = stop
-
-    @property
-    def _longest_stop(self) -> int:
-        return max(len(s) for s in self.stop)
-
-
-def earliest_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
-    """(position, stop string) of the match that starts first in text[start:], the longer
-    one on a tie; None when none occurs.  The text decides, not the order of `stops`: when
-    two fall in one delta, output ends where the first one begins."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        at = text.find(stop, start)
-        if at >= 0 and (best is None or (at, -len(stop)) < (best[0], -len(best[1]))):
-            best = (at, stop)
-    return best
+        self.text += full[len(prefix) :]

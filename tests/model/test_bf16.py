@@ -34,11 +34,11 @@ import torch
 from helpers import run_in_chunks
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.outputs import CompletionOutput, TokenLogprobs
+from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
 from kvserve.runner import platform
-from kvserve.runner.kv_storage import kv_cache_bytes
+from kvserve.step import CompletionOutput, TokenLogprobs
 
 SHARP = 0.1  # initializer_range of the tiny models here
 LOGIT_TOL = 0.15

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.engine.sizing import CapacityError
-from kvserve.runner.kv_storage import kv_cache_bytes
 
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K+V x layers x KV heads x head_dim x float32 = 46,080
 PROMPTS = [f"Question {i}: name a colour and a number between 1 and {i + 10}." for i in range(32)]

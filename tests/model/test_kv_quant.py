@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.evaluation import granularity
@@ -24,7 +25,6 @@ from kvserve.evaluation.sample_text import python_reference_prose
 from kvserve.kv import quant
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import Checkpoint, load_checkpoint
-from kvserve.runner.kv_storage import kv_cache_bytes
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ import pytest
 
 from kvserve.config import RequestLimits
 from kvserve.engine.request_queue import RequestQueue
+from kvserve.engine.stopping import StopStrings, earliest_stop
 from kvserve.errors import ParameterError
 from kvserve.request import Request, SamplingParams
-from kvserve.tokenizer import earliest_stop
 
 LIMITS = RequestLimits(max_prompts_per_request=4, max_sequences_per_request=8,
                        max_stop_strings=2, max_stop_string_length=5, max_logprobs=3)  # fmt: skip
@@ -91,10 +91,13 @@ def test_earliest_stop_string_in_the_text_wins(text, stops, expected):
     assert earliest_stop(text, stops, 0) == expected
 
 
-def test_detokenizer_stops_at_the_first_stop_string_of_one_delta(embedded_tokenizer):
-    from kvserve.tokenizer import IncrementalDetokenizer
-
-    ids = embedded_tokenizer.encode("The cat sat on the mat.", add_special_tokens=False)
-    detok = IncrementalDetokenizer(embedded_tokenizer, stop=("mat", "sat"))
-    detok.add(ids)  # one delta holding both stop strings
-    assert detok.stopped_by == "sat" and detok.text == "The cat "
+def test_stop_strings_cut_at_the_first_of_one_delta_and_hold_back_a_possible_one():
+    stops = StopStrings(("mat", "sat"))
+    assert stops.cut("The cat sat on the mat.", 0) == ("The cat ", "sat")
+    assert StopStrings(("mat", "sat"), include_in_output=True).cut("a sat mat", 0) == (
+        "a sat", "sat")  # fmt: skip
+    assert stops.cut("The cat", 0) is None
+    assert stops.visible("The cat s", finished=False) == "The cat"  # "s" may start "sat"
+    assert stops.visible("The cat s", finished=True) == "The cat s"
+    # Only the new text (and a stop's length before it) is scanned.
+    assert stops.cut("mat then more", 9) is None

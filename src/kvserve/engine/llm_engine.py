@@ -26,6 +26,7 @@ from kvserve.engine.sizing import (
     resolve_max_model_len,
     size_kv_cache,
 )
+from kvserve.engine.stopping import StopStrings
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
@@ -61,10 +62,12 @@ class EngineCorruptedError(RuntimeError):
 
 @dataclass
 class _Sequence:
-    """Engine-side state of one child sequence: its text and logprobs."""
+    """Engine-side state of one child sequence: its text, stop strings and logprobs."""
 
     detokenizer: IncrementalDetokenizer
+    stop_strings: StopStrings
     logprobs: list[TokenLogprobs] | None
+    stopped_by: str | None = None  # the stop string that ended the text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -227,13 +230,9 @@ class LLMEngine:
         return replace(params, n=1, seed=seed)
 
     def _new_sequence(self, params: SamplingParams) -> _Sequence:
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
-        return _Sequence(detok, [] if params.logprobs is not None else None)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        return _Sequence(detok, stops, [] if params.logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a user request now; its blocks are freed at once."""
@@ -299,17 +298,21 @@ class LLMEngine:
     def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
         user = self._user_requests[self._child_to_user[request.request_id]]
         seq = user.sequences[request.request_id]
+        num_old_chars = len(seq.detokenizer.text)
         seq.detokenizer.add(request.output_token_ids[-1:])
+        cut = seq.stop_strings.cut(seq.detokenizer.text, num_old_chars)
+        if cut is not None:
+            seq.detokenizer.text, seq.stopped_by = cut
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
         if user.num_cached_tokens == 0 and request.num_cached_tokens > 0:
             user.num_cached_tokens = request.num_cached_tokens
-        if seq.detokenizer.stopped_by is not None and not request.status.finished:
+        if seq.stopped_by is not None and not request.status.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            request.stop_reason = seq.detokenizer.stopped_by
+            request.stop_reason = seq.stopped_by
         if request.status.finished:
             seq.finish_reason = request.status.finish_reason
-            seq.stop_reason = request.stop_reason or seq.detokenizer.stopped_by
+            seq.stop_reason = request.stop_reason or seq.stopped_by
 
     def _make_output(self, user_id: str) -> RequestOutput:
         user = self._user_requests[user_id]
@@ -321,7 +324,7 @@ class LLMEngine:
             outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=seq.detokenizer.visible_text(finished),
+                    text=seq.stop_strings.visible(seq.detokenizer.text, finished),
                     token_ids=list(token_ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,

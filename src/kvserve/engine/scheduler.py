@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 
 from kvserve.engine.request_queue import RequestQueue
+from kvserve.engine.stopping import check_stop_token
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
-from kvserve.request import Request, RequestStatus, check_stop
+from kvserve.request import Request, RequestStatus
 from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 GROWTH_RESERVE_STEP = 0.25  # added to the reserve fraction per preemption (capped at 1)
@@ -259,7 +260,7 @@ class Scheduler:
                 continue
             request.append_output_token(sampled_token_ids[item.request_id])
             updated.append(request)
-            status = check_stop(request, self.max_model_len)
+            status = check_stop_token(request, self.max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
         return updated
