@@ -7,8 +7,10 @@ naming the flag and the fix.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvserve.errors import ParameterError
@@ -260,6 +262,14 @@ ENGINE_PARTS: tuple[tuple[str, type], ...] = (
     ("scheduler", SchedulerConfig),
     ("limits", RequestLimits),
 )
+
+
+def cache_dir(kind: str) -> Path:
+    """Where kvserve keeps what it builds once per machine (converted tokenizers, compiled
+    kernels): $KVSERVE_CACHE_DIR/<kind>, default ~/.cache/kvserve/<kind>."""
+    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
+    return Path(root) / kind
+
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {

@@ -8,17 +8,13 @@ $KVSERVE_CACHE_DIR), keyed by the file's path, size and modification time.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
-    return Path(root) / "tokenizers"
+from kvserve.config import cache_dir
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -27,7 +23,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path))
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    cached = _cache_dir() / key.hexdigest()[:16]
+    cached = cache_dir("tokenizers") / key.hexdigest()[:16]
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

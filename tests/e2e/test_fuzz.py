@@ -388,7 +388,7 @@ def http(server) -> httpx.Client:
 
 
 FUZZ_SETTINGS = settings(
-    max_examples=200,
+    max_examples=250,
     deadline=None,
     derandomize=True,
     database=None,

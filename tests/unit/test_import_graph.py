@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "flags": {"config", "errors"},
     "request": {"config", "errors"},
     "step": {"request", "config", "errors"},
-    "tokenizer": set(),
+    "tokenizer": {"config", "errors"},
     "kv": {"config", "errors"},
     "attention": {"kv", "config", "errors"},
     "models": {"attention", "kv", "config", "errors"},

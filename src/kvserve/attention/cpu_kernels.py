@@ -32,6 +32,8 @@ from pathlib import Path
 # shares torch's threads instead of starting a second pool.
 import torch  # noqa: F401
 
+from kvserve.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
@@ -48,8 +50,7 @@ class KernelBuildError(RuntimeError):
 
 
 def kernel_cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve"
-    return Path(root) / "kernels"
+    return cache_dir("kernels")
 
 
 @functools.cache

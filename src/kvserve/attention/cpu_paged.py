@@ -18,6 +18,7 @@ from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.kv import quant
 
 # Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
 _KIND_BY_DTYPE = {
@@ -27,13 +28,12 @@ _KIND_BY_DTYPE = {
     torch.int8: 3,
     torch.uint8: 4,  # fp8 stored as bytes, decoded through a 256-entry table
 }
-_FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def fp8_lookup_table(kv_dtype: str) -> torch.Tensor:
     """float32 value of each of the 256 bytes of an fp8 format, exactly as torch decodes them."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return codes.view(_FP8_TORCH[kv_dtype]).to(torch.float32)
+    return codes.view(quant.FP8_TORCH_DTYPES[kv_dtype]).to(torch.float32)
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -46,7 +46,7 @@ class CpuPagedBackend(TorchRefBackend):
 
     def __init__(self) -> None:
         self._kernel = load_paged_decode().paged_decode_attention
-        self._luts = {name: fp8_lookup_table(name) for name in _FP8_TORCH}
+        self._luts = {name: fp8_lookup_table(name) for name in quant.FP8_TORCH_DTYPES}
 
     def _decode(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float

@@ -14,8 +14,6 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import EngineConfig
@@ -129,7 +127,7 @@ class LLMEngine:
         mc = self.model_config
         spec = kv_cache_spec(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.kv_cache_dtype,
-            torch_dtype_name(self.dtype), cache.block_size,
+            platform.dtype_name(self.dtype), cache.block_size,
         )  # fmt: skip
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = kv_budget_bytes(
@@ -168,7 +166,7 @@ class LLMEngine:
             "model %s (%s, %d layers, %d heads / %d KV heads, head_dim %d) on %s in %s, "
             "attention %s, loaded in %.1fs",
             self.model_name, mc.architecture, mc.num_layers, mc.num_heads, mc.num_kv_heads,
-            mc.head_dim, self.device, torch_dtype_name(self.dtype),
+            mc.head_dim, self.device, platform.dtype_name(self.dtype),
             type(self.attention).__name__, seconds,
         )  # fmt: skip
         logger.info(self.sizing.summary())
@@ -344,7 +342,3 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=user.num_cached_tokens,
         )
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -33,6 +33,7 @@ from kvserve.engine.request_queue import RequestQueue
 from kvserve.engine.stopping import check_stop_token
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
+from kvserve.kv.spec import cdiv
 from kvserve.request import Request, RequestStatus
 from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 
@@ -177,9 +178,7 @@ class Scheduler:
                 continue
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
-            own_growth = self._growth_blocks(
-                request, math.ceil((num_computed + num_new) / cm.block_size)
-            )
+            own_growth = self._growth_blocks(request, cdiv(num_computed + num_new, cm.block_size))
             reserve = math.ceil(self.growth_reserve * (growth + own_growth)) if self.running else 0
             if (
                 cm.allocate_slots(request.request_id, num_computed, num_new, cached, reserve)
@@ -210,7 +209,7 @@ class Scheduler:
         longest = self.max_model_len
         if max_tokens is not None:
             longest = min(longest, request.num_prompt_tokens + max_tokens)
-        return max(0, math.ceil(longest / self.cache_manager.block_size) - num_blocks_held)
+        return max(0, cdiv(longest, self.cache_manager.block_size) - num_blocks_held)
 
     def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
         """Keys of the full blocks that this step's prefills compute (not yet in the cache)."""

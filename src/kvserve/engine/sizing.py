@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, format_bytes
-from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv.spec import KVCacheSpec, cdiv
 from kvserve.runner import platform
 
 
@@ -36,7 +36,7 @@ class KVCacheSizing:
     @property
     def max_concurrency(self) -> float:
         """Sequences of max_model_len tokens that fit at once (whole blocks each)."""
-        return self.num_blocks / math.ceil(self.max_model_len / self.spec.block_size)
+        return self.num_blocks / cdiv(self.max_model_len, self.spec.block_size)
 
     def summary(self) -> str:
         return (

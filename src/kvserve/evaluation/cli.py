@@ -20,6 +20,7 @@ from kvserve.evaluation.kv_eval import (
 )
 from kvserve.evaluation.paged import check_kv_dtypes
 from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, from_args
+from kvserve.runner import platform
 
 DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8"
 
@@ -91,7 +92,7 @@ def run_eval(args: argparse.Namespace) -> int:
     results = evaluate_kv_dtypes(loaded, token_ids, kv_dtypes, settings)
     header = {
         "model": loaded.name,
-        "model_dtype": str(loaded.dtype).removeprefix("torch."),
+        "model_dtype": platform.dtype_name(loaded.dtype),
         "text": str(args.text),
         "text_tokens": len(token_ids),
         "settings": asdict(settings),

@@ -29,6 +29,7 @@ import torch
 
 from kvserve.evaluation.paged import Piece, allocate_cache, forward_hidden
 from kvserve.kv import quant
+from kvserve.kv.spec import cdiv
 
 # Dimensions of a [tokens, heads, dim] tensor that share one scale.
 GRANULARITIES = {
@@ -46,7 +47,7 @@ def capture_kv(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Prefill `token_ids` once through a float32 cache; per layer (K, V) [T, kv_heads, dim]
     as stored (K after RoPE).  The model may compute in any dtype."""
-    num_blocks = -(-len(token_ids) // block_size)
+    num_blocks = cdiv(len(token_ids), block_size)
     cache = allocate_cache(model.config, "float32", torch.float32, block_size, num_blocks, device)
     table = list(range(num_blocks))
     forward_hidden(model, cache, [Piece("capture", token_ids, 0, table)], device)

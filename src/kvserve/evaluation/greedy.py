@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.evaluation.paged import PagedCache, Piece, contiguous_tables, forward_hidden
+from kvserve.kv.spec import cdiv
 
 
 def cache_blocks_needed(num_prompts: int, max_prompt_len: int, max_tokens: int, block_size: int):
     """Blocks a PagedCache must hold for `greedy_generate` with these sizes."""
-    return num_prompts * -(-(max_prompt_len + max_tokens) // block_size)
+    return num_prompts * cdiv(max_prompt_len + max_tokens, block_size)
 
 
 def greedy_generate(

@@ -15,8 +15,9 @@ import torch
 from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import KV_CACHE_DTYPES, ModelConfig
-from kvserve.kv.spec import KVCacheSpec, kv_cache_spec
+from kvserve.kv.spec import KVCacheSpec, cdiv, kv_cache_spec
 from kvserve.request import SamplingParams
+from kvserve.runner import platform
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
 from kvserve.step import ScheduledRequest
 
@@ -62,7 +63,7 @@ def make_spec(
 ) -> KVCacheSpec:
     """The engine's accounting function for this model, KV dtype and compute dtype."""
     check_kv_dtypes([kv_dtype])
-    model_dtype_name = str(model_dtype).removeprefix("torch.")
+    model_dtype_name = platform.dtype_name(model_dtype)
     return kv_cache_spec(
         config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, model_dtype_name,
         block_size,
@@ -115,5 +116,5 @@ def forward_hidden(
 
 def contiguous_tables(num_sequences: int, num_tokens: int, block_size: int) -> list[list[int]]:
     """Disjoint block tables, one per sequence, each holding `num_tokens` tokens."""
-    per_seq = -(-num_tokens // block_size)
+    per_seq = cdiv(num_tokens, block_size)
     return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_sequences)]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.evaluation.paged import PagedCache, Piece, contiguous_tables, forward_hidden
+from kvserve.kv.spec import cdiv
 
 TOKENS_PER_STEP = 256
 
@@ -49,7 +50,7 @@ def windows_per_step(context_len: int, chunk_size: int) -> int:
 
 def cache_blocks_needed(context_len: int, chunk_size: int, block_size: int) -> int:
     """Blocks a PagedCache must hold for `perplexity` with these settings."""
-    return windows_per_step(context_len, chunk_size) * -(-context_len // block_size)
+    return windows_per_step(context_len, chunk_size) * cdiv(context_len, block_size)
 
 
 def perplexity(

@@ -24,12 +24,12 @@ including "the last token is never a hit", lives here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.prefix_cache import extend_block_hashes
+from kvserve.kv.spec import cdiv
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class KVCacheManager:
         `reserve_blocks` free afterwards."""
         table = self.block_tables.get(request_id, [])
         assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
-        num_needed = math.ceil((num_computed_tokens + num_new_tokens) / self.block_size)
+        num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(table) - len(cached.block_ids))
         shared = self._shared_block_index(table, num_computed_tokens)
         num_copies = int(shared is not None)
@@ -185,7 +185,7 @@ class KVCacheManager:
         """Give `dst` (no table yet) references to the blocks holding src's first `num_tokens`
         tokens.  Shared partial blocks are copied when either side next writes to them."""
         assert dst_request_id not in self.block_tables
-        blocks = self.block_tables[src_request_id][: math.ceil(num_tokens / self.block_size)]
+        blocks = self.block_tables[src_request_id][: cdiv(num_tokens, self.block_size)]
         self.pool.touch(blocks)
         self.block_tables[dst_request_id] = list(blocks)
         num_cached = min(self._num_cached_blocks[src_request_id], num_tokens // self.block_size)

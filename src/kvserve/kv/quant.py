@@ -20,7 +20,7 @@ _MIN_SCALE = 1e-12
 QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
 SCALED_DTYPES = ("fp8_e4m3", "int8")
 
-_FP8_VIEW = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STORAGE_TORCH_DTYPE = {"fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8, "int8": torch.int8}
 
 
@@ -54,8 +54,8 @@ def dequantize(
     data: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of quantize: data [..., dim] (+ scale [...]) -> values in out_dtype."""
-    if kv_dtype in _FP8_VIEW:
-        values = data.view(_FP8_VIEW[kv_dtype]).to(torch.float32)
+    if kv_dtype in FP8_TORCH_DTYPES:
+        values = data.view(FP8_TORCH_DTYPES[kv_dtype]).to(torch.float32)
     else:
         values = data.to(torch.float32)
     if scale is not None:

@@ -8,7 +8,6 @@ Pure Python (no torch): the planner must run without a model or a device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 # Bytes of one stored value for each KV dtype name ("auto" resolves to the model dtype first).
@@ -69,18 +68,23 @@ class KVCacheSpec:
         return self.block_size * self.bytes_per_token
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_blocks_in(self, budget_bytes: int) -> int:
         """How many whole blocks fit in a byte budget."""
         return max(0, budget_bytes // self.bytes_per_block)
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division of integers (exact, unlike math.ceil of a float quotient)."""
+    return -(-numerator // denominator)
+
+
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads are split across ranks; with fewer heads than ranks each rank keeps a replica."""
     if tensor_parallel_size <= 0:
         raise ValueError("--tensor-parallel-size must be positive")
-    return max(1, math.ceil(num_kv_heads / tensor_parallel_size))
+    return max(1, cdiv(num_kv_heads, tensor_parallel_size))
 
 
 def kv_cache_spec(

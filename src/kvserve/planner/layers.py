@@ -19,13 +19,13 @@ Two ways of counting a sequence, both needed:
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 from kvserve.kv.spec import (
     DTYPE_BYTES,
     SCALE_BYTES_PER_TOKEN_HEAD,
+    cdiv,
     kv_cache_spec,
     kv_heads_per_rank,
     resolve_kv_dtype,
@@ -52,10 +52,10 @@ class LayerGroup:
         A window of W tokens rarely starts on a block boundary, so it can straddle
         ceil((W - 1) / block_size) + 1 blocks; older blocks are freed as the window moves.
         """
-        blocks = math.ceil(num_tokens / self.block_size)
+        blocks = cdiv(num_tokens, self.block_size)
         if self.window is None:
             return blocks
-        return min(blocks, math.ceil((self.window - 1) / self.block_size) + 1)
+        return min(blocks, cdiv(self.window - 1, self.block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class KVLayout:
         widest = max(g.window or 0 for g in self.groups) + self.block_size
         if self.block_bytes_per_sequence(widest) <= budget_bytes:
             return None
-        return math.ceil(widest / self.block_size)
+        return cdiv(widest, self.block_size)
 
 
 def kv_layout(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig
-from kvserve.kv.spec import kv_cache_spec
+from kvserve.kv.spec import cdiv, kv_cache_spec
 from kvserve.planner.layers import KVLayout, kv_layout
 from kvserve.planner.model import ModelShape, PlanError
 from kvserve.planner.weights import (
@@ -57,7 +57,7 @@ def kv_capacity(layout: KVLayout, kv_cache_memory: int, max_model_len: int) -> K
         bytes_per_block=layout.bytes_per_block,
         num_blocks=num_blocks,
         num_tokens=num_blocks * layout.block_size,
-        blocks_per_seq=math.ceil(max_model_len / layout.block_size),
+        blocks_per_seq=cdiv(max_model_len, layout.block_size),
         max_concurrency=num_blocks * layout.bytes_per_block / per_seq,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from kvserve.kv.spec import cdiv
 from kvserve.planner.model import LayerKind, ModelShape, PlanError
 
 # Bits per weight for --dtype; "auto" means the checkpoint's own dtype.
@@ -95,4 +96,4 @@ def weight_bytes(shape: ModelShape, dtype: str = "auto") -> int:
 
 def weight_bytes_per_gpu(total_bytes: int, tensor_parallel_size: int) -> int:
     """Tensor parallelism splits every weight matrix (embeddings included) across the ranks."""
-    return math.ceil(total_bytes / tensor_parallel_size)
+    return cdiv(total_bytes, tensor_parallel_size)

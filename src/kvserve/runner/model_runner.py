@@ -13,6 +13,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
 from kvserve.runner.sampling import SamplingBatch, sample
 from kvserve.step import (
@@ -78,7 +79,7 @@ def build_attention_metadata(batch: BatchInput, block_size: int) -> AttentionMet
     seq_lens = batch.seq_lens.tolist()
     prefills = []
     for row in range(d, len(seq_lens)):
-        num_blocks = -(-seq_lens[row] // block_size)
+        num_blocks = cdiv(seq_lens[row], block_size)
         table = batch.block_tables[row, :num_blocks]
         prefills.append(PrefillSpan(starts[row], starts[row + 1], seq_lens[row], table))
     return AttentionMetadata(

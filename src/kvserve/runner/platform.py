@@ -45,6 +45,11 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the spelling of --dtype and of the KV accounting."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
     """--dtype auto: bfloat16 on a CPU with native bf16 (else float32); on CUDA the
     checkpoint's dtype (float16 when it is float32, as vLLM does)."""
