@@ -1,7 +1,7 @@
 """`kvserve serve` in a subprocess on a free port, for the benchmark scripts: started on
 entry, healthy before use, always stopped on exit (SIGTERM, then SIGKILL).
 
-The launching itself is kvserve.server.launcher's (shared with the end-to-end tests); this adds
+The launching itself is kvserve.bench.launcher's (shared with the end-to-end tests); this adds
 what only the benchmarks need: float32, CPU pinning with taskset, and the server's CPU time."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from types import TracebackType
 
-from kvserve.server.launcher import ServerProcess, free_port, serve_command, start_server
+from kvserve.bench.launcher import ServerProcess, free_port, serve_command, start_server
 
 START_TIMEOUT_S = 300.0
 

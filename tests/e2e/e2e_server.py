@@ -1,5 +1,5 @@
 """Helpers of the end-to-end tests: the real `kvserve serve` in a subprocess on a free port
-(embedded model, small KV cache; kvserve.server.launcher does the launching), and /metrics
+(embedded model, small KV cache; kvserve.bench.launcher does the launching), and /metrics
 scraping."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.server.launcher import ServerProcess
-from kvserve.server.launcher import launch_server as _launch
+from kvserve.bench.launcher import ServerProcess
+from kvserve.bench.launcher import launch_server as _launch
 
 __all__ = ["SERVER_ARGS", "ServerProcess", "launch_server", "scrape", "wait_for_idle"]
 

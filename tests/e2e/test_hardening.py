@@ -18,7 +18,7 @@ import httpx
 import pytest
 from e2e_server import SERVER_ARGS, ServerProcess, scrape, wait_for_idle
 
-from kvserve.server.launcher import free_port, start_server
+from kvserve.bench.launcher import free_port, start_server
 
 HI = [{"role": "user", "content": "hi"}]
 LIMIT_ARGS = ["--max-num-seqs", "4", "--max-waiting-requests", "4", "--max-prompts-per-request",

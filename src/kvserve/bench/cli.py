@@ -30,6 +30,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    _require_bench_extra()
     from kvserve.bench.plot import plot_timeline
     from kvserve.bench.report import format_table, save_json, to_json
     from kvserve.bench.runner import bench_serve
@@ -51,3 +52,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if failed:
         print(f"{len(failed)} requests failed; first error: {failed[0]}")
     return 0 if result.metrics.completed > 0 else 1
+
+
+def _require_bench_extra() -> None:
+    """The load generator's libraries are an extra: say how to get them, in one line."""
+    import importlib.util
+
+    missing = [m for m in ("aiohttp", "tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"kvserve bench needs {', '.join(missing)}: pip install 'kvserve[bench]'")
