@@ -8,6 +8,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+from kvserve.errors import UserInputError
 from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, from_args
 
 
@@ -89,11 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:  # user errors: config, model path, capacity
+    except UserInputError as exc:  # a flag, a model file, a capacity the user can change
         print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception:  # anything else is a bug: say so, with the traceback
+        logging.getLogger("kvserve").exception(
+            "kvserve %s: internal error (a bug; please report it with this traceback)",
+            args.command,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvserve.errors import ParameterError
+from kvserve.errors import ParameterError, UserInputError
 
 GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the planner
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -49,8 +49,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of "
+            raise UserInputError(
+                f"the model's num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
 
@@ -91,17 +91,19 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+            raise ParameterError(
+                "--block-size", f"must be a positive power of two, got {self.block_size}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
+            raise ParameterError(
+                "--kv-cache-dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError("--kv-cache-memory must be positive, e.g. 512MiB")
+            raise ParameterError("--kv-cache-memory", "must be positive, e.g. 512MiB")
         util = self.gpu_memory_utilization
         if util is not None and not 0.0 < util <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+            raise ParameterError("--gpu-memory-utilization", f"must be in (0, 1], got {util}")
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
-            raise ValueError("--max-num-seqs must be positive")
+            raise ParameterError("--max-num-seqs", "must be positive")
         if self.max_num_batched_tokens <= 0:
-            raise ValueError("--max-num-batched-tokens must be positive")
+            raise ParameterError("--max-num-batched-tokens", "must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError("--max-model-len must be positive")
+            raise ParameterError("--max-model-len", "must be positive")
 
 
 @dataclass(frozen=True)
@@ -169,16 +171,16 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(MODEL_DTYPES)}")
+            raise ParameterError("--dtype", f"must be one of {', '.join(MODEL_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}"
+            raise ParameterError(
+                "--attention-backend",
+                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
             )
         if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "--tensor-parallel-size > 1 is not supported for serving yet; use 1 "
-                "(kvserve plan accepts any size)"
+            raise ParameterError(
+                "--tensor-parallel-size",
+                "> 1 is not supported for serving yet; use 1 (kvserve plan accepts any size)",
             )
 
 
@@ -212,7 +214,9 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if value < 0 or (value == 0 and name != "max_logprobs"):
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+                raise ParameterError(
+                    f"--{name.replace('_', '-')}", f"must be positive, got {value}"
+                )
 
     def check_fanout(self, num_prompts: int, n: int) -> None:
         """ParameterError when a request carries too many prompts or sequences."""

@@ -8,9 +8,15 @@ requests of a failed step; any other exception is a bug (500, logged with its tr
 from __future__ import annotations
 
 
-class ParameterError(ValueError):
-    """A request parameter is invalid: `param` names it as the caller spelled it (the server
-    answers 400 with it; the CLI names the flag)."""
+class UserInputError(ValueError):
+    """Input the user can fix (a flag, a file, a request field), with a message that says how.
+    The CLI prints it in one line and exits 2; any other exception is a bug (traceback, exit
+    1), as any other exception in a request is a 500."""
+
+
+class ParameterError(UserInputError):
+    """One parameter is invalid: `param` names it as the caller spelled it (a request field,
+    answered with HTTP 400 and that `param`; or a flag such as --block-size)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param} {message}")

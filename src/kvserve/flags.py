@@ -26,6 +26,7 @@ from dataclasses import MISSING, Field, fields, is_dataclass
 from typing import Any, TypeVar
 
 from kvserve.config import ENGINE_PARTS, EngineConfig, LoadConfig, parse_size
+from kvserve.errors import ParameterError
 
 T = TypeVar("T")
 
@@ -114,7 +115,7 @@ def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
             try:
                 value = parse_size(value)
             except ValueError as exc:
-                raise ValueError(f"{flag_name(f.name)}: {exc}") from None
+                raise ParameterError(flag_name(f.name), str(exc)) from None
         elif _base_type(hints[f.name]) is tuple:
             value = _declared_default(f) if value is None else tuple(value)
         values[f.name] = value

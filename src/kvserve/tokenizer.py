@@ -15,6 +15,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve.config import cache_dir
+from kvserve.errors import UserInputError
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -39,7 +40,7 @@ def apply_chat_template(
 ) -> list[int]:
     """Token ids of a conversation with the assistant's turn opened."""
     if not tokenizer.chat_template:
-        raise ValueError("this model has no chat template; use /v1/completions")
+        raise UserInputError("this model has no chat template; use /v1/completions")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -263,4 +263,4 @@ def test_eval_kv_command_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert rows[2]["perplexity"] == rows[0]["perplexity"] and rows[2]["agreement"] == 1.0
     assert abs(rows[1]["relative_perplexity"]) < 0.01
     assert main(argv[:4] + ["--kv-cache-dtypes", "int4"]) == 2  # named in the error
-    assert "--kv-cache-dtypes: unknown KV dtype 'int4'" in capsys.readouterr().err
+    assert "--kv-cache-dtypes unknown KV dtype 'int4'" in capsys.readouterr().err

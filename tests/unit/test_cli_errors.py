@@ -52,3 +52,23 @@ def test_unsupported_architecture(tmp_path):
 )
 def test_bad_flags_name_the_flag(flags, needle):
     assert_one_line_error(run_cli("generate", *flags), needle)
+
+
+def test_a_bug_is_not_reported_as_bad_input(monkeypatch, capsys, caplog):
+    """Only UserInputError (ParameterError, ModelLoadError, CapacityError...) is exit 2; any
+    other exception, a ValueError from a bug included, is exit 1 with its traceback."""
+    from kvserve import cli
+    from kvserve.errors import ParameterError
+
+    def buggy(args):  # noqa: ANN001, ANN202
+        raise ValueError("an internal invariant broke")
+
+    def bad_flag(args):  # noqa: ANN001, ANN202
+        raise ParameterError("--block-size", "must be a positive power of two, got 3")
+
+    for func, code in ((buggy, 1), (bad_flag, 2)):
+        monkeypatch.setattr(cli, "_cmd_generate", func)
+        assert cli.main(["generate"]) == code
+    err = capsys.readouterr().err
+    assert "kvserve generate: error: --block-size must be a positive power of two" in err
+    assert "internal error (a bug" in caplog.text and "an internal invariant broke" in caplog.text

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.errors import ParameterError
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -18,14 +19,17 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchRefBackend()
     if name == "cpu-paged" and device.type != "cpu":
-        raise ValueError("--attention-backend cpu-paged runs on a CPU only; use auto or torch")
+        raise ParameterError(
+            "--attention-backend", "cpu-paged runs on a CPU only; use auto or torch"
+        )
     if name == "cpu-paged":
         try:
             cpu_kernels.load_paged_decode()
         except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-            raise ValueError(
-                f"--attention-backend cpu-paged: the C kernel could not be built ({exc}); "
-                "install gcc or use --attention-backend torch"
+            raise ParameterError(
+                "--attention-backend",
+                f"cpu-paged: the C kernel could not be built ({exc}); "
+                "install gcc or use --attention-backend torch",
             ) from exc
     elif device.type != "cpu" or not cpu_kernels.paged_decode_available():
         return TorchRefBackend()  # auto, where the kernel cannot run

@@ -7,6 +7,7 @@ import argparse
 import math
 
 from kvserve.bench.config import BenchConfig, DatasetConfig
+from kvserve.errors import UserInputError
 from kvserve.flags import add_fields, from_args
 
 
@@ -60,4 +61,6 @@ def _require_bench_extra() -> None:
 
     missing = [m for m in ("aiohttp", "tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"kvserve bench needs {', '.join(missing)}: pip install 'kvserve[bench]'")
+        raise UserInputError(
+            f"kvserve bench needs {', '.join(missing)}: pip install 'kvserve[bench]'"
+        )

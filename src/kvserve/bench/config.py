@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import ParameterError, UserInputError
+
 DATASET_NAMES = ("random", "sharegpt", "prefix")
 BACKEND_NAMES = ("openai", "openai-chat")
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -45,13 +47,13 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         if self.dataset_name not in DATASET_NAMES:
-            raise ValueError(f"--dataset-name must be one of {', '.join(DATASET_NAMES)}")
+            raise ParameterError("--dataset-name", f"must be one of {', '.join(DATASET_NAMES)}")
         if self.num_prompts <= 0:
-            raise ValueError("--num-prompts must be positive")
+            raise ParameterError("--num-prompts", "must be positive")
         if not 0.0 <= self.random_range_ratio < 1.0:
-            raise ValueError("--random-range-ratio must be in [0, 1)")
+            raise ParameterError("--random-range-ratio", "must be in [0, 1)")
         if self.dataset_name == "sharegpt" and not self.dataset_path:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
+            raise ParameterError("--dataset-name", "sharegpt needs --dataset-path FILE.json")
         lengths = (
             self.random_input_len,
             self.random_output_len,
@@ -60,7 +62,7 @@ class DatasetConfig:
             self.output_len or 1,
         )
         if min(lengths) <= 0 or self.suffix_len < 0:
-            raise ValueError(
+            raise UserInputError(
                 "lengths (--random-*-len, --prefix-len, --output-len, "
                 "--num-prefixes) must be positive"
             )
@@ -109,15 +111,15 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"--backend must be one of {', '.join(BACKEND_NAMES)}")
+            raise ParameterError("--backend", f"must be one of {', '.join(BACKEND_NAMES)}")
         if not self.request_rate > 0:
-            raise ValueError("--request-rate must be positive (inf = all at once)")
+            raise ParameterError("--request-rate", "must be positive (inf = all at once)")
         if not self.burstiness > 0:
-            raise ValueError("--burstiness must be positive (1.0 = Poisson)")
+            raise ParameterError("--burstiness", "must be positive (1.0 = Poisson)")
         if self.max_concurrency is not None and self.max_concurrency <= 0:
-            raise ValueError("--max-concurrency must be positive")
+            raise ParameterError("--max-concurrency", "must be positive")
         if not self.scrape_interval > 0:
-            raise ValueError("--scrape-interval must be positive")
+            raise ParameterError("--scrape-interval", "must be positive")
         self.selected_metrics()
         self.percentiles()
         self.slos_ms()
@@ -126,8 +128,8 @@ class BenchConfig:
         names = [m.strip() for m in self.percentile_metrics.split(",") if m.strip()]
         bad = [m for m in names if m not in METRIC_NAMES]
         if bad:
-            raise ValueError(
-                f"--percentile-metrics: unknown {bad}; choose from {','.join(METRIC_NAMES)}"
+            raise ParameterError(
+                "--percentile-metrics", f"unknown {bad}; choose from {','.join(METRIC_NAMES)}"
             )
         return names
 
@@ -135,9 +137,9 @@ class BenchConfig:
         try:
             values = [float(p) for p in self.metric_percentiles.split(",") if p.strip()]
         except ValueError:
-            raise ValueError("--metric-percentiles: numbers like 50,90,99") from None
+            raise ParameterError("--metric-percentiles", "numbers like 50,90,99") from None
         if any(not 0 <= p <= 100 for p in values):
-            raise ValueError("--metric-percentiles must be in [0, 100]")
+            raise ParameterError("--metric-percentiles", "must be in [0, 100]")
         return values
 
     def slos_ms(self) -> dict[str, float]:
@@ -146,18 +148,18 @@ class BenchConfig:
         for item in self.goodput:
             name, _, value = item.partition(":")
             if name not in SLO_NAMES:
-                raise ValueError(
-                    f"--goodput: {name!r} is not one of {', '.join(SLO_NAMES)} "
-                    "(write e.g. ttft:500)"
+                raise ParameterError(
+                    "--goodput",
+                    f"{name!r} is not one of {', '.join(SLO_NAMES)} (write e.g. ttft:500)",
                 )
             try:
                 slos[name] = float(value)
             except ValueError:
-                raise ValueError(
-                    f"--goodput: {item!r} needs a number of ms, e.g. ttft:500"
+                raise ParameterError(
+                    "--goodput", f"{item!r} needs a number of ms, e.g. ttft:500"
                 ) from None
             if slos[name] <= 0:
-                raise ValueError(f"--goodput: {item!r} must be positive")
+                raise ParameterError("--goodput", f"{item!r} must be positive")
         return slos
 
     @property

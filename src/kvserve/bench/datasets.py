@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.config import DatasetConfig
+from kvserve.errors import ParameterError
 
 # ShareGPT filters (vLLM's): drop tiny and huge conversations.
 _MIN_TOKENS, _MAX_PROMPT, _MAX_TOTAL = 4, 1024, 2048
@@ -97,9 +98,10 @@ def sharegpt_requests(
         if len(out) == config.num_prompts:
             break
     if len(out) < config.num_prompts:
-        raise ValueError(
-            f"--dataset-path has {len(out)} usable conversations, fewer than "
-            f"--num-prompts {config.num_prompts}; lower --num-prompts"
+        raise ParameterError(
+            "--dataset-path",
+            f"has {len(out)} usable conversations, fewer than "
+            f"--num-prompts {config.num_prompts}; lower --num-prompts",
         )
     return out
 
@@ -109,14 +111,14 @@ def _load_sharegpt(path: Path) -> list[tuple[str, str]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--dataset-path: cannot read ShareGPT JSON {path}: {exc}") from None
+        raise ParameterError("--dataset-path", f"cannot read ShareGPT JSON {path}: {exc}") from None
     pairs = []
     for item in data if isinstance(data, list) else []:
         turns = item.get("conversations") or item.get("conversation") or []
         if len(turns) >= 2 and "value" in turns[0] and "value" in turns[1]:
             pairs.append((turns[0]["value"], turns[1]["value"]))
     if not pairs:
-        raise ValueError(f"--dataset-path {path}: no conversations in ShareGPT format")
+        raise ParameterError("--dataset-path", f"{path}: no conversations in ShareGPT format")
     return pairs
 
 

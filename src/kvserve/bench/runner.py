@@ -26,6 +26,7 @@ from kvserve.bench.config import BenchConfig
 from kvserve.bench.datasets import SampleRequest, as_text, sample_requests
 from kvserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
 from kvserve.bench.scrape import MetricsSample, MetricsScraper, metrics_url
+from kvserve.errors import ParameterError
 
 REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -122,8 +123,8 @@ def fetch_model_name(base_url: str) -> str:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ValueError(
-            f"--model not given and {url} did not name one ({exc}); pass --model"
+        raise ParameterError(
+            "--model", f"not given and {url} did not name one ({exc}); pass --model"
         ) from None
 
 
@@ -139,9 +140,10 @@ def load_bench_tokenizer(tokenizer: str | None, model: str) -> Any:
     else:
         path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(
-            f"--tokenizer: no tokenizer for model {model!r}; pass --tokenizer "
-            "with a HF directory or a GGUF file"
+        raise ParameterError(
+            "--tokenizer",
+            f"no tokenizer for model {model!r}; pass --tokenizer "
+            "with a HF directory or a GGUF file",
         )
     return load_tokenizer(path)
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, format_bytes
+from kvserve.errors import ParameterError, UserInputError
 from kvserve.kv.spec import KVCacheSpec, cdiv
 from kvserve.runner import platform
 
 
-class CapacityError(ValueError):
+class CapacityError(UserInputError):
     """The KV cache cannot hold one sequence of max_model_len tokens."""
 
 
@@ -168,11 +169,12 @@ def resolve_max_model_len(requested: int | None, trained: int, allow_long: bool)
     if requested is None:
         return trained
     if requested > trained and not (allow_long or _env_flag(ALLOW_LONG_ENV)):
-        raise ValueError(
-            f"--max-model-len {requested} exceeds the model's trained context of {trained:,} "
+        raise ParameterError(
+            "--max-model-len",
+            f"{requested} exceeds the model's trained context of {trained:,} "
             "tokens (max_position_embeddings): positions beyond it were never trained and "
             f"outputs degrade. Use --max-model-len {trained} or less, or accept it with "
-            f"--allow-long-max-model-len (or {ALLOW_LONG_ENV}=1)"
+            f"--allow-long-max-model-len (or {ALLOW_LONG_ENV}=1)",
         )
     return requested
 

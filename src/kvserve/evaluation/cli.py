@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from kvserve.errors import ParameterError
 from kvserve.evaluation.kv_eval import (
     EvalSettings,
     KVDtypeResult,
@@ -84,7 +85,7 @@ def run_eval(args: argparse.Namespace) -> int:
     kv_dtypes = kv_dtypes_from_args(args)
     check_kv_dtypes(kv_dtypes)
     if not args.text.is_file():
-        raise ValueError(f"--text: no such file {args.text}; make one with "
+        raise ParameterError("--text", f"no such file {args.text}; make one with "
                          "`python -m kvserve.evaluation.sample_text ref.txt`")  # fmt: skip
     text = args.text.read_text(encoding="utf-8")
     loaded = load_model(config)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvserve.config import EngineConfig, ModelConfig
+from kvserve.errors import ParameterError
 from kvserve.evaluation import greedy, perplexity
 from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
 from kvserve.models.loader import load_checkpoint
@@ -47,10 +48,10 @@ class EvalSettings:
     def __post_init__(self) -> None:
         for name in ("context_len", "chunk_size", "prompt_len", "block_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+                raise ParameterError(f"--{name.replace('_', '-')}", "must be positive")
         for name in ("num_prompts", "max_tokens", "max_eval_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+                raise ParameterError(f"--{name.replace('_', '-')}", "must be >= 0")
 
 
 @dataclass
@@ -97,7 +98,7 @@ def sample_prompts(token_ids: list[int], num_prompts: int, prompt_len: int) -> l
     if num_prompts == 0:
         return []
     if len(token_ids) < prompt_len:
-        raise ValueError(f"the text has {len(token_ids)} tokens, fewer than --prompt-len")
+        raise ParameterError("--prompt-len", f"exceeds the text's {len(token_ids)} tokens")
     span = len(token_ids) - prompt_len
     offsets = [span * i // max(1, num_prompts - 1) for i in range(num_prompts)]
     return [token_ids[o : o + prompt_len] for o in offsets]
@@ -146,9 +147,13 @@ def _check_lengths(config: ModelConfig, settings: EvalSettings) -> None:
     """Positions beyond the model's context would measure RoPE extrapolation, not the cache."""
     native = config.max_position_embeddings
     if settings.context_len > native:
-        raise ValueError(f"--context-len {settings.context_len} exceeds the model's {native}")
+        raise ParameterError(
+            "--context-len", f"{settings.context_len} exceeds the model's {native}"
+        )
     if settings.prompt_len + settings.max_tokens > native:
-        raise ValueError(f"--prompt-len + --max-tokens exceed the model's context of {native}")
+        raise ParameterError(
+            "--prompt-len", f"+ --max-tokens exceed the model's context of {native}"
+        )
 
 
 def _perplexity(

@@ -15,6 +15,7 @@ import torch
 from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import KV_CACHE_DTYPES, ModelConfig
+from kvserve.errors import ParameterError
 from kvserve.kv.spec import KVCacheSpec, cdiv, kv_cache_spec
 from kvserve.request import SamplingParams
 from kvserve.runner import platform
@@ -49,12 +50,12 @@ class PagedCache:
 def check_kv_dtypes(kv_dtypes: list[str]) -> None:
     """ValueError naming the flag for an empty list or an unknown name (before any loading)."""
     if not kv_dtypes:
-        raise ValueError("--kv-cache-dtypes: give at least one KV dtype")
+        raise ParameterError("--kv-cache-dtypes", "give at least one KV dtype")
     for kv_dtype in kv_dtypes:
         if kv_dtype not in EVAL_KV_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtypes: unknown KV dtype {kv_dtype!r}; "
-                f"choose from {', '.join(EVAL_KV_DTYPES)}"
+            raise ParameterError(
+                "--kv-cache-dtypes",
+                f"unknown KV dtype {kv_dtype!r}; choose from {', '.join(EVAL_KV_DTYPES)}",
             )
 
 

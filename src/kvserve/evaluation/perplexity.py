@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.errors import UserInputError
 from kvserve.evaluation.paged import PagedCache, Piece, contiguous_tables, forward_hidden
 from kvserve.kv.spec import cdiv
 
@@ -64,7 +65,7 @@ def perplexity(
     """NLL of `token_ids` through `cache` (overwritten; needs cache_blocks_needed blocks)."""
     windows = split_windows(token_ids, context_len)
     if not windows:
-        raise ValueError("the text has fewer than 2 tokens to evaluate")
+        raise UserInputError("the text has fewer than 2 tokens to evaluate")
     group_size = windows_per_step(context_len, chunk_size)
     block_size = cache.spec.block_size
     tables = contiguous_tables(group_size, context_len, block_size)

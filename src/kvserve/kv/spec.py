@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.errors import ParameterError
+
 # Bytes of one stored value for each KV dtype name ("auto" resolves to the model dtype first).
 DTYPE_BYTES = {
     "float32": 4,
@@ -83,7 +85,7 @@ def cdiv(numerator: int, denominator: int) -> int:
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     """KV heads are split across ranks; with fewer heads than ranks each rank keeps a replica."""
     if tensor_parallel_size <= 0:
-        raise ValueError("--tensor-parallel-size must be positive")
+        raise ParameterError("--tensor-parallel-size", "must be positive")
     return max(1, cdiv(num_kv_heads, tensor_parallel_size))
 
 

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvserve.config import ModelConfig
+from kvserve.formats import FormatError, build
+from kvserve.formats.gguf_metadata import GGUFFields, open_gguf, read_gguf_metadata
 from kvserve.models.loader import ModelLoadError, fuse_layer_weights, to_tensor
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -39,11 +41,6 @@ _LAYER_PIECES = {
 }
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Invert llama.cpp's permutation of q/k rows: (heads, 2, half) -> (heads, half, 2)."""
     rows = weight.shape[0]
@@ -54,55 +51,27 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def read_gguf_config(reader: GGUFReader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def read_gguf_config(fields: GGUFFields) -> ModelConfig:
+    """ModelConfig from the metadata (formats.gguf_metadata); the engine needs the norm
+    epsilon, the MLP width and the context length, which the planner can do without."""
+    arch = fields.architecture()
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)} "
             f"(as Hugging Face: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-
-    def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    num_heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
-        max_position_embeddings=int(need("context_length")),
-        tie_word_embeddings=not has_output,
-        attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        torch_dtype="float32",
-    )
-
-
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or not factor:
-        return None
+    meta = read_gguf_metadata(fields)
+    kind = (meta.rope_scaling or {}).get("rope_type", "linear")
     if kind != "linear":
         raise ModelLoadError(f"unsupported GGUF RoPE scaling {kind!r}; supported: linear")
-    return {"rope_type": "linear", "factor": float(factor)}
+    return build(
+        ModelConfig,
+        meta,
+        intermediate_size=meta.need("intermediate_size"),
+        rms_norm_eps=meta.need("rms_norm_eps"),
+        max_position_embeddings=meta.need("max_position_embeddings"),
+        torch_dtype="float32",  # every tensor is dequantized to float32 below
+    )
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -139,10 +108,10 @@ def _layers(
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueErrors/asserts on junk
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({exc})") from None
-    config = read_gguf_config(reader)
+        reader = open_gguf(path)
+        config = read_gguf_config(GGUFFields(reader, str(path)))
+    except FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
     tensors = {t.name: _dequantize(t) for t in reader.tensors}
     weights = fuse_layer_weights(config, _layers(config, tensors))
     weights["embed_tokens.weight"] = to_tensor(tensors["token_embd.weight"])

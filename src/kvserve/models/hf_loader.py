@@ -9,12 +9,9 @@ import torch
 from safetensors import safe_open
 
 from kvserve.config import ModelConfig
-from kvserve.models.loader import (
-    ModelLoadError,
-    fuse_layer_weights,
-    model_config_from_hf,
-    read_json,
-)
+from kvserve.formats import FormatError
+from kvserve.formats.hf_config import read_config_json
+from kvserve.models.loader import ModelLoadError, fuse_layer_weights, model_config_from_hf
 
 # HF suffix inside `model.layers.N.` -> the piece name fuse_layer_weights expects.
 _LAYER_PIECES = {
@@ -62,7 +59,12 @@ def _split_layers(
 
 
 def load_hf_directory(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    config = model_config_from_hf(read_json(directory / "config.json"))
+    path = directory / "config.json"
+    try:
+        raw = read_config_json(path)
+    except FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
+    config = model_config_from_hf(raw, str(path))
     tensors = _read_safetensors(directory)
     weights = fuse_layer_weights(config, _split_layers(config, tensors))
     weights["embed_tokens.weight"] = tensors["model.embed_tokens.weight"]

@@ -16,6 +16,7 @@ from torch import nn
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
+from kvserve.errors import UserInputError
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -30,7 +31,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    raise UserInputError(
+        f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3"
+    )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

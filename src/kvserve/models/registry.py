@@ -3,6 +3,8 @@ differ only in config values (QKV bias, RoPE scaling, tied embeddings)."""
 
 from __future__ import annotations
 
+from kvserve.errors import UserInputError
+
 # Hugging Face `architectures` / `model_type` / GGUF `general.architecture` -> our family name.
 _ALIASES = {
     "llamaforcausallm": "llama",
@@ -25,7 +27,7 @@ def get_model_class(architecture: str) -> type:
     from kvserve.models.llama import LlamaForCausalLM
 
     if architecture not in {"llama", "mistral", "qwen2"}:
-        raise ValueError(
+        raise UserInputError(
             f"unsupported architecture {architecture!r}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )

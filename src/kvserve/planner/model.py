@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from kvserve.errors import UserInputError
 
-class PlanError(ValueError):
+
+class PlanError(UserInputError):
     """Bad planner input; the message names what is missing and how to fix it (CLI exit 2)."""
 
 

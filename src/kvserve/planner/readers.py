@@ -1,21 +1,20 @@
 """Read a model's shape from a preset, a config.json, a Hugging Face directory or a GGUF file.
 
 Only metadata is read: the planner never loads weights (a GGUF file is memory-mapped just to
-list its tensors' sizes).  Every missing or malformed field raises PlanError naming it.
+list its tensors' sizes).  The fields it shares with the model loader come from the one reader
+per format in kvserve.formats; every missing or malformed field raises PlanError naming it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvserve.formats import FormatError, build
+from kvserve.formats.hf_config import FieldReader, HFConfig, parse_hf_config, read_config_json
 from kvserve.planner.model import LayerKind, ModelShape, PlanError, infer_layer_kinds
 from kvserve.planner.presets import find_preset, preset_names
-
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
-_MISSING = object()
 
 
 def load_model_shape(model: str) -> ModelShape:
@@ -43,54 +42,31 @@ def load_model_shape(model: str) -> ModelShape:
 def read_hf_config(path: Path) -> ModelShape:
     """A Hugging Face config.json file -> ModelShape."""
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"{path}: cannot read a JSON config ({exc})") from None
-    if not isinstance(config, dict):
-        raise PlanError(f"{path}: a config.json must hold a JSON object")
+        config = read_config_json(path)
+    except FormatError as exc:
+        raise PlanError(str(exc)) from None
     name = config.get("_name_or_path") or path.resolve().parent.name or path.stem
     return shape_from_hf_config(config, str(name), f"{path}")
 
 
 def shape_from_hf_config(config: Mapping[str, Any], name: str, source: str) -> ModelShape:
-    """config.json fields -> ModelShape.  Multimodal configs are read from their text_config."""
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), Mapping):
-        config = {**config["text_config"], "torch_dtype": _config_dtype(config)}
-    field = _FieldReader(config, source)
-    num_layers = field.positive_int("num_hidden_layers", "the number of layers")
-    hidden = field.positive_int("hidden_size", "the model width")
-    num_heads = field.positive_int("num_attention_heads", "the number of query heads")
-    model_type = str(config.get("model_type", ""))
-    return ModelShape(
-        name=name,
-        architecture=_architecture(config),
-        num_layers=num_layers,
-        hidden_size=hidden,
-        intermediate_size=field.positive_int("intermediate_size", "the MLP width"),
-        vocab_size=field.positive_int("vocab_size", "the vocabulary size"),
-        num_heads=num_heads,
-        num_kv_heads=field.positive_int("num_key_value_heads", "KV heads", default=num_heads),
-        head_dim=field.positive_int("head_dim", "the head size", default=hidden // num_heads),
-        torch_dtype=field.dtype(),
-        weight_dtype=_quantized_weight_dtype(config),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(config.get("attention_bias", model_type.startswith("qwen2"))),
-        max_position_embeddings=field.optional_int("max_position_embeddings"),
-        sliding_window=field.optional_int("sliding_window"),
-        layer_kinds=_layer_kinds(config, model_type, num_layers, field),
-        **_moe_fields(field),
-        **_mla_fields(field),
-        source=source,
-    )
-
-
-def _architecture(config: Mapping[str, Any]) -> str:
-    architectures = config.get("architectures") or [config.get("model_type") or "unknown"]
-    return str(architectures[0])
-
-
-def _config_dtype(config: Mapping[str, Any]) -> Any:
-    return config.get("torch_dtype") or config.get("dtype")
+    """config.json fields -> ModelShape: the common ones from formats.hf_config (multimodal
+    configs read from their text_config), the planner's extras from the same fields."""
+    try:
+        hf = parse_hf_config(config, source)
+        field = FieldReader(hf.raw, source)
+        return build(
+            ModelShape,
+            hf,
+            name=name,
+            torch_dtype=hf.torch_dtype or "bfloat16",  # what most checkpoints ship in
+            weight_dtype=_quantized_weight_dtype(hf.raw),
+            layer_kinds=_layer_kinds(hf, field),
+            **_moe_fields(field),
+            **_mla_fields(field),
+        )
+    except FormatError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def _quantized_weight_dtype(config: Mapping[str, Any]) -> str | None:
@@ -109,26 +85,24 @@ def _quantized_weight_dtype(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _layer_kinds(
-    config: Mapping[str, Any], model_type: str, num_layers: int, field: _FieldReader
-) -> tuple[LayerKind, ...]:
-    layer_types = config.get("layer_types")
+def _layer_kinds(hf: HFConfig, field: FieldReader) -> tuple[LayerKind, ...]:
+    layer_types = hf.raw.get("layer_types")
     if layer_types is not None and (
-        not isinstance(layer_types, list) or len(layer_types) != num_layers
+        not isinstance(layer_types, list) or len(layer_types) != hf.num_layers
     ):
         raise PlanError(f"{field.source}: 'layer_types' must list one type per layer")
     return infer_layer_kinds(
-        model_type,
-        num_layers,
-        field.optional_int("sliding_window"),
+        hf.model_type,
+        hf.num_layers,
+        hf.sliding_window,
         layer_types=layer_types,
         sliding_window_pattern=field.optional_int("sliding_window_pattern"),
-        use_sliding_window=bool(config.get("use_sliding_window", True)),
+        use_sliding_window=hf.use_sliding_window,
         max_window_layers=field.optional_int("max_window_layers"),
     )
 
 
-def _moe_fields(field: _FieldReader) -> dict[str, Any]:
+def _moe_fields(field: FieldReader) -> dict[str, Any]:
     """Mixtral (num_local_experts), DeepSeek (n_routed_experts) and Qwen-MoE (num_experts)."""
     num_experts = (
         field.optional_int("num_local_experts")
@@ -147,7 +121,7 @@ def _moe_fields(field: _FieldReader) -> dict[str, Any]:
     }
 
 
-def _mla_fields(field: _FieldReader) -> dict[str, Any]:
+def _mla_fields(field: FieldReader) -> dict[str, Any]:
     """DeepSeek MLA: kv_lora_rank marks the model; qk_rope_head_dim is then required."""
     kv_lora_rank = field.optional_int("kv_lora_rank")
     if kv_lora_rank is None:
@@ -159,37 +133,6 @@ def _mla_fields(field: _FieldReader) -> dict[str, Any]:
         "qk_nope_head_dim": field.optional_int("qk_nope_head_dim") or 0,
         "v_head_dim": field.optional_int("v_head_dim") or 0,
     }
-
-
-class _FieldReader:
-    """Typed access to config.json fields with errors that name the field and the file."""
-
-    def __init__(self, config: Mapping[str, Any], source: str) -> None:
-        self.config = config
-        self.source = source
-
-    def positive_int(self, key: str, meaning: str, default: Any = _MISSING) -> int:
-        value = self.config.get(key)
-        if value is None:
-            if default is _MISSING:
-                raise PlanError(f"{self.source}: config has no '{key}' ({meaning})")
-            value = default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlanError(f"{self.source}: '{key}' must be a positive integer, got {value!r}")
-        return value
-
-    def optional_int(self, key: str) -> int | None:
-        value = self.config.get(key)
-        return None if value is None else self.positive_int(key, key)
-
-    def dtype(self) -> str:
-        value = _config_dtype(self.config) or "bfloat16"
-        if value not in MODEL_DTYPES:
-            raise PlanError(
-                f"{self.source}: 'torch_dtype' is {value!r}; expected one of "
-                f"{', '.join(MODEL_DTYPES)}"
-            )
-        return str(value)
 
 
 def read_gguf(path: Path) -> ModelShape:

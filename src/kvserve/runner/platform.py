@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from kvserve.errors import ParameterError
+
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3  # vLLM's CPU backend default
 
 
@@ -14,9 +16,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but no CUDA device is available; use cpu")
+        raise ParameterError("--device", "cuda was given but no CUDA device is available; use cpu")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+        raise ParameterError("--device", f"must be cpu, cuda, cuda:N or auto, got {name!r}")
     return device
 
 
@@ -33,7 +35,9 @@ def cpu_has_native_bf16() -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     if forced:
-        raise ValueError(f"{NATIVE_BF16_ENV} must be 0 or 1 (or unset to detect), got {forced!r}")
+        raise ParameterError(
+            NATIVE_BF16_ENV, f"must be 0 or 1 (or unset to detect), got {forced!r}"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
     if "AMX" in capability or "BF16" in capability:
         return True

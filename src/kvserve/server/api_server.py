@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.config import EngineConfig, RequestLimits
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.errors import ParameterError
 from kvserve.flags import non_default_flags
 from kvserve.server.args import ServerConfig
 from kvserve.server.errors import APIError, error_response, install_error_handlers, parse_body
@@ -214,8 +215,8 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
         sock.listen(2048)  # claim the port now: a second server fails here, not after loading
     except OSError as exc:
-        raise ValueError(
-            f"--host/--port: cannot listen on {host}:{port} ({exc}); pick another --port"
+        raise ParameterError(
+            "--port", f"cannot listen on {host}:{port} ({exc}); pick another --port or --host"
         ) from None
     sock.set_inheritable(True)
     return sock

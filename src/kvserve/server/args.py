@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.errors import ParameterError
+
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}
@@ -50,12 +52,12 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+            raise ParameterError("--port", f"must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes <= 0:
-            raise ValueError("--max-request-body-bytes must be positive, e.g. 16MiB")
+            raise ParameterError("--max-request-body-bytes", "must be positive, e.g. 16MiB")
         if self.log_stats_interval < 0:
-            raise ValueError("--log-stats-interval must be >= 0 seconds (0 turns it off)")
+            raise ParameterError("--log-stats-interval", "must be >= 0 seconds (0 turns it off)")
         if self.shutdown_timeout < 0:
-            raise ValueError("--shutdown-timeout must be >= 0 seconds")
+            raise ParameterError("--shutdown-timeout", "must be >= 0 seconds")
         if self.api_key == "":
-            raise ValueError("--api-key must not be empty (omit it to serve without a key)")
+            raise ParameterError("--api-key", "must not be empty (omit it to serve without a key)")
