@@ -131,6 +131,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     fork_of: str | None = None  # a sibling whose prompt blocks this request will share
+    cache_salt: str | None = None  # its blocks are shared only with requests of this salt
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

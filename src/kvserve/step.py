@@ -63,6 +63,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # since start, tokens
     prefix_cache_hits: int
     kv_waste: float  # allocated slots of running requests not holding a computed token
+    # since start, missed prompt tokens by reason (kv/miss_reasons.py): below_block_size,
+    # isolated, evicted, never_seen
+    prefix_cache_misses: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -137,5 +137,5 @@ def test_prefix_stats_and_caching_off():
     cm.cache_full_blocks("a", list(range(8)), 8)
     assert cm.pool.blocks[0].block_hash is None
     assert cm.find_cached_prefix("b", list(range(9))).num_tokens == 0
-    cm.record_prefix_query(9, 0)
+    cm.record_prefix_query("b", 9, 0)
     assert cm.prefix_stats.queries == 0  # off: nothing looked up, nothing counted

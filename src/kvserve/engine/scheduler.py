@@ -169,10 +169,12 @@ class Scheduler:
             cached = (
                 NO_PREFIX
                 if forked
-                else cm.find_cached_prefix(request.request_id, request.all_token_ids)
+                else cm.find_cached_prefix(
+                    request.request_id, request.all_token_ids, request.cache_salt
+                )
             )
             if not forked and cm.next_block_pending(
-                request.request_id, request.all_token_ids, cached, in_flight
+                request.request_id, request.all_token_ids, cached, in_flight, request.cache_salt
             ):
                 deferred.append(request)
                 continue
@@ -187,9 +189,11 @@ class Scheduler:
                 self.waiting.appendleft(request)
                 break
             if not forked:
-                cm.record_prefix_query(request.num_tokens, cached.num_tokens)
+                cm.record_prefix_query(request.request_id, request.num_tokens, cached.num_tokens)
                 in_flight.update(
-                    cm.hashes_computed_by(request.request_id, request.all_token_ids, num_computed)
+                    cm.hashes_computed_by(
+                        request.request_id, request.all_token_ids, num_computed, request.cache_salt
+                    )
                 )
             if request.num_cached_tokens < 0:  # first admission: what the cache supplied
                 request.num_cached_tokens = 0 if forked else cached.num_tokens
@@ -216,11 +220,14 @@ class Scheduler:
         hashes: set[bytes] = set()
         for item in scheduled:
             if item.num_tokens > 1:
-                tokens = self.requests[item.request_id].all_token_ids
+                request = self.requests[item.request_id]
                 hashes.update(
                     self.cache_manager.hashes_computed_by(
-                        item.request_id, tokens, item.start_position
-                    )
+                        item.request_id,
+                        request.all_token_ids,
+                        item.start_position,
+                        request.cache_salt,
+                    )  # fmt: skip
                 )
         return hashes
 
@@ -251,8 +258,9 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             request.num_computed_tokens += item.num_tokens
             cm.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+                request.request_id, request.all_token_ids, request.num_computed_tokens,
+                request.cache_salt,
+            )  # fmt: skip
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork_siblings(request)
             if not item.sample:
@@ -284,5 +292,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=cm.prefix_stats.queries,
             prefix_cache_hits=cm.prefix_stats.hits,
+            prefix_cache_misses=dict(cm.prefix_stats.misses),
             kv_waste=1.0 - held / slots if slots else 0.0,
         )

@@ -13,7 +13,7 @@ block (dropping its hash), so the prefix cache keeps as much as memory allows.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -25,7 +25,8 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None) -> None:
+        """`on_evict(block_hash)` is called for every cached block evicted to make room."""
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -34,6 +35,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
         self.num_evictions = 0
+        self._on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,10 +71,13 @@ class BlockPool:
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
-        assert block.block_hash is not None
-        del self._hash_to_block[block.block_hash]
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self._hash_to_block[block_hash]
         block.block_hash = None
         self.num_evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(block_hash)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix-cache hit); revives free ones."""
@@ -106,6 +111,28 @@ class BlockPool:
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block_id
         return True
+
+    def drop_free_cached(self) -> list[bytes]:
+        """Forget the content of every cached block no request holds (a prefix cache reset);
+        blocks in use keep theirs.  Returns the dropped hashes, least recently used first."""
+        dropped = []
+        for block_id in self._free_cached:
+            block = self.blocks[block_id]
+            assert block.block_hash is not None
+            del self._hash_to_block[block.block_hash]
+            dropped.append(block.block_hash)
+            block.block_hash = None
+            self._free_uncached[block_id] = None
+        self._free_cached.clear()
+        return dropped
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    @property
+    def num_free_uncached(self) -> int:
+        return len(self._free_uncached)
 
     def num_free_after_touch(self, block_ids: Iterable[int]) -> int:
         """Free blocks left once `block_ids` are touched (free cached hits stop being free)."""

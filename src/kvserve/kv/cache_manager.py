@@ -16,7 +16,15 @@ One request's tokens and blocks (block_size 4):
 
 The scheduler uses only these methods (and ``block_table``, ``num_blocks_of``,
 ``take_block_copies``, ``record_prefix_query`` and the usage figures): every hashing rule,
-including "the last token is never a hit", lives here.
+including "the last token is never a hit", the cache salt and the public prefixes
+(kv/prefix_cache.py), lives here.  The methods that hash take the request's ``cache_salt``;
+a request's hashes are memoized from its first lookup until ``free``.
+
+The prefix cache as a store (the engine's side): ``record_prefix_query`` classifies every
+missed token (kv/miss_reasons.py); ``reset_prefix_cache`` drops every cached block no request
+holds; ``take_events`` drains what was stored and removed (when events are on);
+``take_new_blocks`` drains the blocks cached since the last call (when persistence is on) and
+``load_cold_blocks`` registers blocks read back from disk as free-but-cached.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -25,10 +33,12 @@ including "the last token is never a hit", lives here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.prefix_cache import extend_block_hashes
+from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
+from kvserve.kv.prefix_cache import BlockHashes, PublicPrefixes, salted_namespace
 from kvserve.kv.spec import cdiv
 
 
@@ -45,6 +55,18 @@ NO_PREFIX = CachedPrefix([], 0)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found cached
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+
+
+@dataclass(frozen=True)
+class NewBlock:
+    """A block cached since the last `take_new_blocks`, with what it takes to store it."""
+
+    block_id: int
+    key: bytes
+    content: bytes
+    parent_key: bytes | None
+    token_ids: list[int]
 
 
 class KVCacheManager:
@@ -54,16 +76,25 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         extra_key: bytes = b"",
+        public_prefixes: Sequence[Sequence[int]] = (),
+        enable_events: bool = False,
+        track_new_blocks: bool = False,
     ) -> None:
+        """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
+        token-id prefixes whose blocks are shared across cache salts."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key
-        self.pool = BlockPool(num_blocks)
+        self.public_prefixes = PublicPrefixes(public_prefixes)
+        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.block_tables: dict[str, list[int]] = {}
-        self._block_hashes: dict[str, list[bytes]] = {}
+        self._block_hashes: dict[str, BlockHashes] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
+        self._misses = MissClassifier(num_blocks)
+        self._events: list[KVEvent] | None = [] if enable_events else None
+        self._new_blocks: list[NewBlock] | None = [] if track_new_blocks else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,27 +104,40 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def _full_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
-        """Keys of the request's full blocks, memoized per request (extended as it grows,
-        dropped by `free`)."""
+    def _hashes(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None
+    ) -> BlockHashes:
+        """The request's block hashes, memoized (extended as it grows, dropped by `free`)."""
+        hashes = self._block_hashes.get(request_id)
+        if hashes is None:
+            salted = salted_namespace(self.extra_key, cache_salt)
+            hashes = BlockHashes(self.block_size, self.extra_key, salted, self.public_prefixes)
+            self._block_hashes[request_id] = hashes
+        hashes.extend(token_ids)
+        return hashes
+
+    def _full_block_hashes(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[bytes]:
+        """Keys of the request's full blocks (none with caching off)."""
         if not self.enable_caching:
             return []
-        hashes = self._block_hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, token_ids, self.block_size, self.extra_key)
-        return hashes
+        return self._hashes(request_id, token_ids, cache_salt).keys
 
     def _max_cached_blocks(self, num_tokens: int) -> int:
         """A prefix hit never covers the last token: its logits are needed to sample."""
         return (num_tokens - 1) // self.block_size
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> CachedPrefix:
+    def find_cached_prefix(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> CachedPrefix:
         """Longest cached run of full blocks starting at token 0, leaving >= 1 token to compute.
         Takes no references and changes no block (it memoizes the request's hashes)."""
         if not self.enable_caching:
             return NO_PREFIX
         max_blocks = self._max_cached_blocks(len(token_ids))
         block_ids: list[int] = []
-        for block_hash in self._full_block_hashes(request_id, token_ids)[:max_blocks]:
+        for block_hash in self._full_block_hashes(request_id, token_ids, cache_salt)[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -101,11 +145,16 @@ class KVCacheManager:
         return CachedPrefix(block_ids, len(block_ids) * self.block_size)
 
     def hashes_computed_by(
-        self, request_id: str, token_ids: Sequence[int], start_token: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        start_token: int,
+        cache_salt: str | None = None,
     ) -> list[bytes]:
         """Keys of the full blocks a prefill from `start_token` on will compute and cache (none
         with caching off): a scheduler uses them to spot requests about to share a prefix."""
-        return self._full_block_hashes(request_id, token_ids)[start_token // self.block_size :]
+        keys = self._full_block_hashes(request_id, token_ids, cache_salt)
+        return keys[start_token // self.block_size :]
 
     def next_block_pending(
         self,
@@ -113,6 +162,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         cached: CachedPrefix,
         pending: set[bytes],
+        cache_salt: str | None = None,
     ) -> bool:
         """True when the request's first block after `cached` could be a hit and is among
         `pending` (being computed by another request this step): waiting one step turns its
@@ -122,7 +172,7 @@ class KVCacheManager:
         index = len(cached.block_ids)
         if index >= self._max_cached_blocks(len(token_ids)):
             return False
-        return self._full_block_hashes(request_id, token_ids)[index] in pending
+        return self._full_block_hashes(request_id, token_ids, cache_salt)[index] in pending
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in token order."""
@@ -191,13 +241,28 @@ class KVCacheManager:
         num_cached = min(self._num_cached_blocks[src_request_id], num_tokens // self.block_size)
         self._num_cached_blocks[dst_request_id] = num_cached
 
-    def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        if self.enable_caching:
-            self.prefix_stats.queries += num_prompt_tokens
-            self.prefix_stats.hits += num_hit_tokens
+    def record_prefix_query(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup (after `find_cached_prefix` for this request) and the reason of
+        every token it missed."""
+        if not self.enable_caching:
+            return
+        stats = self.prefix_stats
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
+        hashes = self._block_hashes[request_id]
+        counts = self._misses.classify(
+            hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,
+            lambda key: self.pool.lookup(key) is not None,
+        )  # fmt: skip
+        for reason, num in counts.items():
+            stats.misses[reason] += num
 
     def cache_full_blocks(
-        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Hash and register the blocks whose tokens are now all computed."""
         if not self.enable_caching:
@@ -206,12 +271,103 @@ class KVCacheManager:
         start = self._num_cached_blocks[request_id]
         if num_full <= start:
             return
-        hashes = self._full_block_hashes(request_id, token_ids[: num_full * self.block_size])
+        size = self.block_size
+        hashes = self._hashes(request_id, token_ids[: num_full * size], cache_salt)
         table = self.block_tables[request_id]
+        stored: list[int] = []  # indices of the blocks this call cached
         for i in range(start, num_full):
-            if self.pool.blocks[table[i]].block_hash is None:
-                self.pool.cache(table[i], hashes[i])
+            block_id = table[i]
+            if self.pool.blocks[block_id].block_hash is None and self.pool.cache(
+                block_id, hashes.keys[i]
+            ):
+                self._misses.record_cached(hashes.contents[i], hashes.keys[i])
+                stored.append(i)
         self._num_cached_blocks[request_id] = num_full
+        if stored and (self._events is not None or self._new_blocks is not None):
+            self._record_stored(stored, hashes, token_ids, table)
+
+    def _record_stored(
+        self, stored: list[int], hashes: BlockHashes, token_ids: Sequence[int], table: list[int]
+    ) -> None:
+        """Events (one BlockStored per run of consecutive blocks) and blocks to persist."""
+        size = self.block_size
+        for i in stored:
+            parent = hashes.keys[i - 1] if i else None
+            tokens = list(token_ids[i * size : (i + 1) * size])
+            if self._new_blocks is not None:
+                new = NewBlock(table[i], hashes.keys[i], hashes.contents[i], parent, tokens)
+                self._new_blocks.append(new)
+            if self._events is None:
+                continue
+            last = self._events[-1] if self._events else None
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+                last.block_hashes.append(hashes.keys[i])
+                last.token_ids.extend(tokens)
+            else:
+                self._events.append(BlockStored([hashes.keys[i]], parent, tokens, size))
+
+    def _on_evict(self, key: bytes) -> None:
+        """The pool evicted a cached block to make room."""
+        self._misses.record_removed(key)
+        if self._events is not None:
+            last = self._events[-1] if self._events else None
+            if not isinstance(last, BlockRemoved):
+                last = BlockRemoved()
+                self._events.append(last)
+            last.block_hashes.append(key)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no request holds (blocks in use stay cached); returns
+        how many were dropped.  Later lookups of their content count as `evicted` misses."""
+        dropped = self.pool.drop_free_cached()
+        for key in dropped:
+            self._misses.record_removed(key)
+        if self._events is not None and dropped:
+            if self.pool.num_cached_blocks == 0:
+                self._events.append(AllBlocksCleared())
+            else:
+                self._events.append(BlockRemoved(dropped))
+        return len(dropped)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call (always empty when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def take_new_blocks(self) -> list[NewBlock]:
+        """Blocks cached since the last call that still hold that content (with
+        track_new_blocks; else always empty)."""
+        if not self._new_blocks:
+            return []
+        new, self._new_blocks = self._new_blocks, []
+        blocks = self.pool.blocks
+        return [b for b in new if blocks[b.block_id].block_hash == b.key]
+
+    def load_cold_blocks(self, keys: Sequence[bytes], contents: Sequence[bytes]) -> list[int]:
+        """Register blocks read back from a store as cached but free (the next to evict are
+        the first given).  Returns a block id per key, -1 for a key already cached; the caller
+        copies the K/V into those blocks before the next step.  Never evicts: stops when no
+        uncached free block is left (the remaining keys get -1)."""
+        block_ids = []
+        pool = self.pool
+        for key, content in zip(keys, contents, strict=True):
+            if pool.lookup(key) is not None or pool.num_free_uncached == 0:
+                block_ids.append(-1)
+                continue
+            [block_id] = pool.allocate(1)
+            pool.cache(block_id, key)
+            pool.free([block_id])
+            self._misses.record_cached(content, key)
+            block_ids.append(block_id)
+        return block_ids
+
+    def note_isolated(self, contents: Sequence[bytes], keys: Sequence[bytes]) -> None:
+        """Tell the miss classifier that these contents were cached under these keys (another
+        KV dtype's store), so that missing them counts as `isolated`."""
+        for content, key in zip(contents, keys, strict=True):
+            self._misses.record_cached(content, key)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first) and forget its table and hashes."""

@@ -1,8 +1,26 @@
-"""Chained block hashes: a full block's key is SHA-256(parent key, extra key, token ids).
+"""Chained block hashes, cache salts and public prefixes.
 
-The chain makes a key identify the whole prefix up to and including the block, so equal keys
-mean equal KV.  SHA-256 (not Python's hash) because a collision would hand one tenant's KV to
-another.  The extra key carries whatever else changes the KV content (e.g. the KV dtype).
+A full block has two hashes:
+
+    content_i = SHA-256(content_{i-1}, token ids of block i)        the tokens, nothing else
+    key_i     = SHA-256(content_i, namespace_i)                     what the pool is keyed by
+
+`content_i` identifies the whole prefix up to and including block i (the chain), so equal
+keys mean equal KV.  `namespace_i` holds whatever else changes or separates the KV: the KV
+storage dtype always, and the request's cache salt for every block from the first one that is
+not *public* on.  Without public prefixes that is block 0, so two salts never share a block
+(vLLM's `cache_salt`); a block lying entirely inside a declared public prefix (a shared system
+prompt) is keyed without the salt, so every tenant shares it and nothing after it:
+
+    tokens:   | system prompt (public) ...      | tenant text ...               |
+    blocks:   | b0 public | b1 public | b2 part | b3            | b4            |
+    salted:   |  no       |  no       |  yes    |  yes          |  yes          |
+
+(b2 holds the end of the system prompt and the start of the tenant text: not public.)
+
+The content chain without any namespace also feeds the miss-reason shadow index (a block
+missed under one salt or KV dtype but cached under another is "isolated").  SHA-256, not
+Python's hash: a collision would hand one tenant's KV to another.
 """
 
 from __future__ import annotations
@@ -10,10 +28,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
-    """Key of one full block given its parent block's key (None for the first block)."""
+    """SHA-256 of a parent hash (None for the first block), an extra key and token ids."""
     digest = hashlib.sha256()
     digest.update(parent or b"\x00" * 32)
     digest.update(struct.pack("<I", len(extra_key)))
@@ -22,13 +41,72 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes 
     return digest.digest()
 
 
-def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra_key: bytes = b""
-) -> None:
-    """Append to `hashes` the keys of every full block of `token_ids` not hashed yet."""
-    num_full = len(token_ids) // block_size
-    for i in range(len(hashes), num_full):
-        parent = hashes[i - 1] if i else None
-        hashes.append(
-            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
-        )
+def block_key(content: bytes, namespace: bytes) -> bytes:
+    """The pool key of a block: its content hash within a namespace (KV dtype [+ salt])."""
+    return hashlib.sha256(content + namespace).digest()
+
+
+def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
+    """The namespace of a request's non-public blocks (length-prefixed: no salt can forge
+    another dtype's namespace)."""
+    if cache_salt is None:
+        return namespace
+    salt = cache_salt.encode()
+    return namespace + b"\x00salt" + struct.pack("<I", len(salt)) + salt
+
+
+class PublicPrefixes:
+    """Token-id prefixes whose full blocks are keyed without a cache salt.
+
+    Block i of a request is public when its tokens [0, (i+1) * block_size) equal the start of
+    one of the prefixes (so every block before it is public too)."""
+
+    def __init__(self, prefixes: Sequence[Sequence[int]] = ()) -> None:
+        self.prefixes = [tuple(p) for p in prefixes if p]
+
+    def __bool__(self) -> bool:
+        return bool(self.prefixes)
+
+    def still_matching(
+        self, candidates: list[tuple[int, ...]], token_ids: Sequence[int], start: int, end: int
+    ) -> list[tuple[int, ...]]:
+        """The candidates that also hold token_ids[start:end] at the same place."""
+        block = tuple(token_ids[start:end])
+        return [p for p in candidates if len(p) >= end and p[start:end] == block]
+
+
+@dataclass
+class BlockHashes:
+    """One request's full-block hashes, extended as the request grows (memoized by the cache
+    manager until the request's blocks are freed)."""
+
+    block_size: int
+    namespace: bytes  # for public blocks (and every block of an unsalted request)
+    salted: bytes  # for the rest
+    public: PublicPrefixes
+    contents: list[bytes] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    num_public: int = 0  # leading blocks keyed without the salt
+    _candidates: list[tuple[int, ...]] | None = None  # prefixes still matching; None: done
+
+    def __post_init__(self) -> None:
+        if self.salted != self.namespace and self.public:
+            self._candidates = list(self.public.prefixes)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Hash every full block of `token_ids` not hashed yet."""
+        size = self.block_size
+        for i in range(len(self.keys), len(token_ids) // size):
+            start, end = i * size, (i + 1) * size
+            content = hash_block(self.contents[-1] if i else None, token_ids[start:end])
+            self.contents.append(content)
+            self.keys.append(block_key(content, self._namespace_of(token_ids, start, end)))
+
+    def _namespace_of(self, token_ids: Sequence[int], start: int, end: int) -> bytes:
+        if self._candidates is not None:
+            self._candidates = self.public.still_matching(self._candidates, token_ids, start, end)
+            if self._candidates:
+                self.num_public += 1
+                return self.namespace
+            self._candidates = None  # public blocks only ever lead
+        return self.salted

@@ -1,0 +1,34 @@
+"""KV cache events as plain data (pure Python): what the prefix cache stored and removed.
+
+The cache manager appends them while it works (only when events are enabled) and the engine
+drains them once per step; engine/kv_events.py encodes them as vLLM does and publishes them.
+Hashes are the pool keys (kv/prefix_cache.py), whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockStored:
+    """Consecutive blocks of one chain became cached: block_hashes[0]'s parent is
+    `parent_block_hash`; `token_ids` are all their tokens, in order."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
