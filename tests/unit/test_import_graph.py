@@ -3,6 +3,7 @@
     server -> engine -> scheduler -> kv             (the scheduler and its queue: pure Python)
     engine -> runner -> models -> attention -> kv
     leaf modules (errors, config, flags, request, step, tokenizer) import only other leaves
+    formats (the one config.json / GGUF metadata reader) is a leaf the loader and planner share
 
 Every `import kvserve...` counts, at module level or inside a function: a lazy import is
 still a dependency.  Tools (cli, bench, planner, evaluation) sit outside the serving core.
@@ -16,10 +17,11 @@ from pathlib import Path
 import kvserve
 
 ROOT = Path(kvserve.__file__).parent
-LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer"}
+LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer", "formats"}
 SERVING = {"kv", "attention", "models", "runner", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "formats": {"errors"},
     "config": {"errors"},
     "flags": {"config", "errors"},
     "request": {"config", "errors"},
@@ -27,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "tokenizer": {"config", "errors"},
     "kv": {"config", "errors"},
     "attention": {"kv", "config", "errors"},
-    "models": {"attention", "kv", "config", "errors"},
+    "models": {"attention", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "kv"} | LEAVES,
     "engine": SERVING | LEAVES,
     "llm": {"engine"} | LEAVES,

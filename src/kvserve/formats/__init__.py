@@ -3,7 +3,7 @@
 ``hf_config`` reads a Hugging Face config.json, ``gguf_metadata`` the key/value metadata of a
 GGUF file.  Both are pure Python and import nothing from the serving packages, so the planner
 can use them without torch, and both readers of a format apply the same defaults and rules.
-A leaf unit: it imports nothing from kvserve.
+A leaf unit: it imports only kvserve.errors.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+from kvserve.errors import UserInputError
+
 T = TypeVar("T")
 
 
-class FormatError(ValueError):
+class FormatError(UserInputError):
     """A metadata field is missing or malformed; the message names the field and the file.
 
     The loader re-raises it as ModelLoadError and the planner as PlanError, so each caller's
-    error type (and CLI exit code) stays its own."""
+    error type stays its own; all three are input the user can fix (CLI exit 2)."""
 
 
 def build(target: type[T], metadata: Any, **own: Any) -> T:
