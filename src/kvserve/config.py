@@ -7,9 +7,10 @@ naming the flag and the fix.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,13 @@ GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged")
+KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
+# Lowest top-1 agreement of the 8-bit KV cache check.  Measured on the embedded model
+# (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
+# 93.6%; bfloat16 compute 97.0%, 97.4%, 93.6%.  0.85 passes all of them with a margin of 8.6
+# points and refuses a dtype that changes one next token in seven (docs/prefix_cache.md).
+KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT = 0.85
+PREFIX_CACHE_SAVE_INTERVAL_S = 30.0  # --prefix-cache-dir: new blocks are written this often
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -88,8 +96,61 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("Reuse the KV of cached prompt prefixes.")
     )
+    public_prefixes: str | None = field(
+        default=None,
+        metadata=_help(
+            "File of public prompt prefixes (one text per line, or a JSON list of texts and "
+            "chat messages): blocks lying entirely inside one are shared across cache_salt "
+            "values. See docs/prefix_cache.md.",
+            metavar="FILE",
+        ),
+    )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata=_help(
+            "KV cache events as vLLM publishes them, as JSON, e.g. "
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+            '"endpoint": "tcp://*:5557", "topic": "kv"}\'.',
+            metavar="JSON",
+        ),
+    )
+    prefix_cache_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "Keep the prefix cache on disk in DIR: full cached blocks are written every "
+            f"{PREFIX_CACHE_SAVE_INTERVAL_S:.0f} s while serving and at a clean shutdown, and "
+            "loaded back at start-up when the model, dtypes, block size and tokenizer match.",
+            metavar="DIR",
+        ),
+    )
+    prefix_cache_dir_max_size: int = field(
+        default=4 * 2**30,
+        metadata=_help(
+            "Size budget of --prefix-cache-dir, e.g. 4GiB; the oldest block groups go first.",
+            parse="size",
+        ),
+    )
+    kv_cache_dtype_check: str = field(
+        default="refuse",
+        metadata=_help(
+            "With an 8-bit --kv-cache-dtype, compare a canary text's logits through the 8-bit "
+            "and the full-precision cache at start-up: refuse (exit when the top-1 agreement "
+            "is below --kv-cache-dtype-check-min-agreement, naming a dtype that passes), "
+            "fallback (log and use that dtype instead), off.",
+            choices=KV_CACHE_DTYPE_CHECKS,
+        ),
+    )
+    kv_cache_dtype_check_min_agreement: float = field(
+        default=KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT,
+        metadata=_help(
+            "Lowest top-1 agreement (0-1) of the 8-bit KV cache check "
+            f"(default {KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT}: measured on the embedded model, "
+            "see docs/prefix_cache.md)."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        self._validate_store()
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ParameterError(
                 "--block-size", f"must be a positive power of two, got {self.block_size}"
@@ -104,6 +165,59 @@ class CacheConfig:
         util = self.gpu_memory_utilization
         if util is not None and not 0.0 < util <= 1.0:
             raise ParameterError("--gpu-memory-utilization", f"must be in (0, 1], got {util}")
+
+    def _validate_store(self) -> None:
+        if self.prefix_cache_dir_max_size <= 0:
+            raise ParameterError("--prefix-cache-dir-max-size", "must be positive, e.g. 4GiB")
+        if self.kv_cache_dtype_check not in KV_CACHE_DTYPE_CHECKS:
+            raise ParameterError(
+                "--kv-cache-dtype-check", f"must be one of {', '.join(KV_CACHE_DTYPE_CHECKS)}"
+            )
+        if not 0.0 <= self.kv_cache_dtype_check_min_agreement <= 1.0:
+            raise ParameterError("--kv-cache-dtype-check-min-agreement", "must be in [0, 1]")
+        self.kv_events  # noqa: B018 - parses the JSON: a bad value fails at start-up
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed --kv-events-config; None when events are off."""
+        return parse_kv_events_config(self.kv_events_config)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig (the JSON of --kv-events-config), the fields kvserve uses."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" publishes; "null" drops the events
+    endpoint: str = "tcp://*:5557"  # a bind address (with * or ipc/inproc) or one to connect to
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+
+def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
+    """--kv-events-config's JSON -> KVEventsConfig, None when events are off; ParameterError
+    names the flag and the field."""
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ParameterError("--kv-events-config", f"is not valid JSON ({exc})") from None
+    known = {f.name for f in fields(KVEventsConfig)}
+    if not isinstance(raw, dict) or set(raw) - known:
+        unknown = sorted(set(raw) - known) if isinstance(raw, dict) else raw
+        raise ParameterError(
+            "--kv-events-config", f"must be a JSON object of {sorted(known)}, got {unknown}"
+        )
+    config = KVEventsConfig(**raw)
+    if config.publisher not in ("null", "zmq"):
+        raise ParameterError(
+            "--kv-events-config", f'publisher must be "zmq" or "null", got {config.publisher!r}'
+        )
+    return config if config.enable_kv_cache_events and config.publisher == "zmq" else None
 
 
 @dataclass(frozen=True)
@@ -166,6 +280,15 @@ class LoadConfig:
             "torch), torch (the PyTorch reference), cpu-paged (C kernel reading KV blocks in "
             "place; CPU only).",
             choices=ATTENTION_BACKENDS,
+        ),
+    )
+
+    enforce_eager: bool = field(
+        default_factory=lambda: os.environ.get("KVSERVE_ENFORCE_EAGER") == "1",
+        metadata=_help(
+            "Run the layers eagerly, without torch.compile (which fuses their element-wise "
+            "work; it compiles at start-up, once per machine thanks to its disk cache). "
+            "Default: off, or on when KVSERVE_ENFORCE_EAGER=1."
         ),
     )
 

@@ -33,7 +33,13 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
         self._touch()
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -46,6 +52,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:  # the engine thread's last call (writes the prefix cache store)
+        self._touch()
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0.0)

@@ -101,6 +101,7 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams,
         on_output: Callable[[RequestOutput], None] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Add a request now and return the stream of its outputs.
 
@@ -111,7 +112,7 @@ class AsyncLLM:
         end: closing an unfinished stream aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         try:
-            await self._submit(lambda: self._add(request_id, prompt, params, stream))
+            await self._submit(lambda: self._add(request_id, prompt, params, stream, cache_salt))
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have happened before the cancel arrived
             raise
@@ -157,12 +158,18 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ engine thread
     def _add(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: _Stream
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: _Stream,
+        cache_salt: str | None,
     ) -> None:
         limit = self.max_waiting_sequences
         if limit is not None and self.engine.num_waiting_sequences + params.n > limit:
             raise QueueFullError(self.engine.num_waiting_sequences, limit)
-        self.engine.add_request(request_id, prompt, params)  # ValueError: nothing was added
+        # ValueError: nothing was added
+        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:
@@ -184,8 +191,17 @@ class AsyncLLM:
             self._error = exc
         finally:
             self._fail_all(EngineDeadError("the engine stopped before the request finished"))
+            self._close_engine()
         if self._error is not None and self.on_fatal is not None:
             self.on_fatal(self._error)
+
+    def _close_engine(self) -> None:
+        """Write the prefix cache store, stop the event publisher (after the requests were
+        failed, so nothing changes the cache any more)."""
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - going down: log, never mask the first error
+            logger.exception("closing the engine failed")
 
     def _run_commands(self) -> None:
         while True:

@@ -10,6 +10,7 @@ shared prompt blocks are computed once and held by reference.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,10 @@ from dataclasses import dataclass, field, replace
 from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import EngineConfig
+from kvserve.engine.cache_services import PrefixCacheServices
+from kvserve.engine.kv_dtype_check import check_kv_cache_dtype
+from kvserve.engine.prefix_store import fingerprint
+from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
     KVCacheSizing,
@@ -28,6 +33,7 @@ from kvserve.engine.stopping import StopStrings
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
+from kvserve.models.llama import EAGER
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
@@ -102,9 +108,12 @@ class LLMEngine:
             checkpoint.config, checkpoint.weights, self.dtype, self.device
         )
         del checkpoint.weights
+        self.model_path = checkpoint.path
+        self.config = self._checked_kv_cache_dtype(config)
         self.max_model_len = self._resolve_max_model_len()
         self.sizing = self._size_kv_cache()
         self._build_runtime()
+        self._compile_model()
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
         self._log_startup(time.monotonic() - started)
@@ -129,7 +138,8 @@ class LLMEngine:
             mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.kv_cache_dtype,
             platform.dtype_name(self.dtype), cache.block_size,
         )  # fmt: skip
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = itertools.chain(self.model.parameters(), self.model.buffers())  # + packed
+        weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         budget = kv_budget_bytes(
             cache,
             self.device,
@@ -141,15 +151,40 @@ class LLMEngine:
         )  # fmt: skip
         return size_kv_cache(spec, budget, self.max_model_len)
 
+    def _checked_kv_cache_dtype(self, config: EngineConfig) -> EngineConfig:
+        """The config with the KV dtype the start-up check settles on (an 8-bit one is
+        checked against the model's dtype; ParameterError when it fails and may not fall
+        back)."""
+        kv_dtype = check_kv_cache_dtype(
+            config.cache, self.model, self.model_config, self.tokenizer, self.dtype, self.device
+        )
+        return replace(config, cache=replace(config.cache, kv_cache_dtype=kv_dtype))
+
     def _build_runtime(self) -> None:
         spec = self.sizing.spec
+        cache = self.config.cache
         self.kv_caches = allocate_kv_caches(spec, self.sizing.num_blocks, self.device)
+        self.services = PrefixCacheServices(cache, self.device)
         self.cache_manager = KVCacheManager(
             self.sizing.num_blocks,
             spec.block_size,
-            enable_caching=self.config.cache.enable_prefix_caching,
+            enable_caching=cache.enable_prefix_caching,
             extra_key=spec.dtype.encode(),
-        )
+            public_prefixes=(
+                public_prefix_token_ids(cache.public_prefixes, self.tokenizer)
+                if cache.public_prefixes else ()
+            ),
+            enable_events=self.services.wants_events,
+            track_new_blocks=self.services.wants_new_blocks,
+        )  # fmt: skip
+        if cache.enable_prefix_caching:
+            mc = self.model_config
+            shape = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}"
+            print_ = fingerprint(
+                self.model_path, platform.dtype_name(self.dtype), spec.dtype,
+                spec.block_size, shape, self.tokenizer,
+            )  # fmt: skip
+            self.services.open_store(print_, self.kv_caches, self.cache_manager)
         sched = self.config.scheduler
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
@@ -159,6 +194,23 @@ class LLMEngine:
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
             seed=self.config.load.seed,
         )  # fmt: skip
+
+    def _compile_model(self) -> None:
+        """torch.compile the layers unless --enforce-eager; a compiler that fails (no C++
+        compiler, an unsupported op) leaves the model eager, with a warning, never a failed
+        start."""
+        if self.config.load.enforce_eager:
+            return
+        started = time.monotonic()
+        self.model.compile()
+        try:
+            self.runner.warm_up()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
+            logger.warning("torch.compile failed, running eagerly (%s: %s)", type(exc).__name__,
+                           str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+            self.model.kernels = EAGER
+            return
+        logger.info("compiled the layers with torch.compile in %.1fs", time.monotonic() - started)
 
     def _log_startup(self, seconds: float) -> None:
         mc = self.model_config
@@ -181,8 +233,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request (n children for n > 1).  ValueError for one that can never fit."""
+        """Queue a request (n children for n > 1).  ValueError for one that can never fit.
+        Its cached blocks are shared only with requests of the same `cache_salt` (and the
+        public prefixes with every request)."""
         if request_id in self._user_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
@@ -203,6 +258,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                 fork_of=child_ids[0] if i else None,
+                cache_salt=cache_salt,
             )
             for i, child_id in enumerate(child_ids)
         ]
@@ -251,6 +307,16 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (and the store on disk); how many."""
+        num_dropped = self.services.reset(self.cache_manager)
+        logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
+        return num_dropped
+
+    def close(self) -> None:
+        """Write the prefix cache store and stop the KV event publisher (idempotent)."""
+        self.services.close(self.cache_manager)
+
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         """One step.  When anything after scheduling raises (the model, the sampler, the
@@ -259,7 +325,7 @@ class LLMEngine:
         block bookkeeping no longer adds up afterwards: the engine must not go on."""
         scheduler_output = self.scheduler.schedule()
         try:
-            return self._run_scheduled(scheduler_output)
+            outputs = self._run_scheduled(scheduler_output)
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
             try:
@@ -267,6 +333,8 @@ class LLMEngine:
             except AssertionError as broken:
                 raise EngineCorruptedError(f"block bookkeeping broken: {broken}") from exc
             raise StepFailedError(failed, exc) from exc
+        self.services.after_step(self.cache_manager)
+        return outputs
 
     def _abort_step(self, scheduler_output: SchedulerOutput) -> list[str]:
         """Abort every user request with a sequence in `scheduler_output`; their ids."""

@@ -1,0 +1,84 @@
+"""What the prefix cache does beyond the engine's own steps: KV events on a ZMQ socket
+(engine/kv_events.py) and the store on disk (engine/prefix_store.py).
+
+The engine calls `after_step` once per step (drains the cache manager's events into the
+publisher's queue; saves new blocks every PREFIX_CACHE_SAVE_INTERVAL_S), `reset` for
+POST /reset_prefix_cache and `close` on a clean shutdown, all on its own thread.  With neither
+feature on, `after_step` is two attribute checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
+from kvserve.kv.cache_manager import KVCacheManager
+
+
+class PrefixCacheServices:
+    def __init__(self, config: CacheConfig, device: torch.device) -> None:
+        """Opens the event sockets now (a bad endpoint fails at start-up)."""
+        self.publisher = None
+        self.store = None
+        self._store_dir = config.prefix_cache_dir
+        self._store_max_bytes = config.prefix_cache_dir_max_size
+        events = config.kv_events
+        if events is not None:
+            from kvserve.engine.kv_events import ZmqEventPublisher
+
+            self.publisher = ZmqEventPublisher(events, "GPU" if device.type == "cuda" else "CPU")
+
+    @property
+    def wants_events(self) -> bool:
+        return self.publisher is not None
+
+    @property
+    def wants_new_blocks(self) -> bool:
+        return self._store_dir is not None
+
+    def open_store(
+        self,
+        fingerprint: dict[str, str],
+        kv_caches: list[LayerKVCache],
+        cache_manager: KVCacheManager,
+    ) -> None:
+        """With --prefix-cache-dir: load the matching blocks into `cache_manager`."""
+        if self._store_dir is None:
+            return
+        from kvserve.engine.prefix_store import PrefixStore
+
+        self.store = PrefixStore(
+            Path(self._store_dir), fingerprint, self._store_max_bytes, kv_caches
+        )
+        self.store.load(cache_manager)
+
+    def after_step(self, cache_manager: KVCacheManager) -> None:
+        if self.publisher is not None:
+            events = cache_manager.take_events()
+            if events:
+                self.publisher.publish(events)
+        if self.store is not None:
+            self.store.maybe_save(cache_manager, PREFIX_CACHE_SAVE_INTERVAL_S)
+
+    def reset(self, cache_manager: KVCacheManager) -> int:
+        """Drop every cached block no request holds, in memory and on disk."""
+        num_dropped = cache_manager.reset_prefix_cache()
+        if self.store is not None:
+            self.store.clear()
+        self.after_step(cache_manager)  # publish the events now
+        return num_dropped
+
+    def close(self, cache_manager: KVCacheManager) -> None:
+        """Write the blocks not yet on disk; send the last events."""
+        if self.store is not None:
+            self.store.close(cache_manager)
+            self.store = None
+        if self.publisher is not None:
+            events = cache_manager.take_events()
+            if events:
+                self.publisher.publish(events)
+            self.publisher.shutdown()
+            self.publisher = None
