@@ -47,7 +47,8 @@ def summary(result: BenchResult) -> dict[str, Any]:
 
 
 def memory_summary(timeline: list[MetricsSample]) -> dict[str, Any] | None:
-    """Peak and under-pressure KV usage, queue peaks, preemptions and prefix hits of the run."""
+    """Peak and under-pressure KV usage, queue peaks, preemptions, prefix hits and the missed
+    prefix-cache tokens by reason over the run."""
     if not timeline:
         return None
     usage = [s.kv_cache_usage for s in timeline]
@@ -60,6 +61,10 @@ def memory_summary(timeline: list[MetricsSample]) -> dict[str, Any] | None:
         "max_waiting": max(s.num_waiting for s in timeline),
         "preemptions": timeline[-1].num_preemptions - timeline[0].num_preemptions,
         "prefix_hit_rate": timeline[-1].prefix_hit_rate,
+        "prefix_cache_miss_tokens": {
+            reason: num - timeline[0].prefix_cache_miss_tokens.get(reason, 0.0)
+            for reason, num in timeline[-1].prefix_cache_miss_tokens.items()
+        },
     }
 
 
@@ -168,6 +173,10 @@ def _memory_lines(memory: dict[str, Any] | None) -> list[str]:
         _line("Max waiting requests:", int(memory["max_waiting"])),
         _line("Preemptions:", int(memory["preemptions"])),
         _line("Prefix cache hit rate (%):", "-" if hit is None else 100 * hit),
+        *(
+            _line(f"Prefix misses {reason} (tokens):", int(num))
+            for reason, num in memory.get("prefix_cache_miss_tokens", {}).items()
+        ),
     ]
 
 

@@ -2,7 +2,8 @@
 
 Names are matched after the `prefix:` (kvserve's `kvserve:`, vLLM's `vllm:`), so the same
 timeline comes from either server; counters are read with or without `_total`.  A server
-without `/metrics` simply yields an empty timeline.
+without `/metrics` simply yields an empty timeline.  kvserve's missed prefix-cache tokens are
+kept by their `reason` label (below_block_size, isolated, evicted, never_seen).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -25,6 +26,10 @@ WANTED = {
     "prefix_cache_hits": ("prefix_cache_hits_total", "prefix_cache_hits"),
 }
 _LINE = re.compile(r"^(?:[A-Za-z_]\w*:)?([A-Za-z_]\w*)(?:\{[^}]*\})?\s+(\S+)")
+_MISS_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*:)?prefix_cache_miss_tokens(?:_total)?\{[^}]*reason=\"(\w+)\"[^}]*\}"
+    r"\s+(\S+)"
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class MetricsSample:
     prefix_cache_queries: float
     prefix_cache_hits: float
     prefix_hit_rate: float | None = None
+    prefix_cache_miss_tokens: dict[str, float] = field(default_factory=dict)  # by reason
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -65,6 +71,19 @@ def parse_metrics(text: str) -> dict[str, float]:
                 continue
             values[match.group(1)] = values.get(match.group(1), 0.0) + value
     return values
+
+
+def parse_miss_reasons(text: str) -> dict[str, float]:
+    """kvserve's prefix_cache_miss_tokens counter by its reason label ({} for other servers)."""
+    misses: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _MISS_LINE.match(line)
+        if match:
+            try:
+                misses[match.group(1)] = misses.get(match.group(1), 0.0) + float(match.group(2))
+            except ValueError:
+                continue
+    return misses
 
 
 def to_sample(values: dict[str, float], t: float) -> MetricsSample | None:
@@ -119,6 +138,7 @@ class MetricsScraper:
             return
         sample = to_sample(parse_metrics(text), time.perf_counter() - self.t0)
         if sample is not None:
+            sample.prefix_cache_miss_tokens.update(parse_miss_reasons(text))
             self._samples.append(sample)
 
     def stop(self) -> None:

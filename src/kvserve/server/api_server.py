@@ -1,5 +1,6 @@
 """`kvserve serve`: the FastAPI app (OpenAI-compatible routes, /health, /metrics, /tokenize,
-/detokenize) and `run_server`, which loads the engine, then serves until SIGTERM or Ctrl+C.
+/detokenize, vLLM's POST /reset_prefix_cache) and `run_server`, which loads the engine, then
+serves until SIGTERM or Ctrl+C.
 
 Shutdown: uvicorn stops accepting, lets in-flight requests finish for --shutdown-timeout
 seconds (then cancels them, which aborts them in the engine), runs the lifespan exit (the
@@ -99,6 +100,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """Drop every cached block no request holds, on the engine thread (behind the API key
+        like every route but /health and /metrics)."""
+        num_dropped = await ctx.async_llm.call(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"num_blocks_dropped": num_dropped})
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:

@@ -62,6 +62,15 @@ class _EngineStatsCollector(Collector):
             family = cls(f"kvserve:{name}", doc, labels=list(self._labels))
             family.add_metric(list(self._labels.values()), value)
             yield family
+        misses = counter(
+            "kvserve:prefix_cache_miss_tokens",
+            "Prompt tokens not served from the prefix cache, by reason (below_block_size, "
+            "isolated, evicted, never_seen).",
+            labels=[*self._labels, "reason"],
+        )
+        for reason, value in s.prefix_cache_misses.items():
+            misses.add_metric([*self._labels.values(), reason], value)
+        yield misses
         info = GaugeMetricFamily(
             "kvserve:cache_config_info", "KV cache configuration.", labels=list(self._cache_info)
         )

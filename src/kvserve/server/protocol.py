@@ -41,6 +41,9 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: the request's cached blocks are shared only with requests of the same salt
+    # (blocks inside a --public-prefixes prefix with every request)
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -91,13 +91,17 @@ class ServingContext:
             )
 
     async def start(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Add a validated request; its outputs feed the latency metrics as they are read."""
         tracker = self.metrics.start_request()
         try:
             return await self.async_llm.add_request(
-                request_id, token_ids, params, on_output=tracker.observe
+                request_id, token_ids, params, on_output=tracker.observe, cache_salt=cache_salt
             )
         except ParameterError as exc:  # what only the engine knows; validation catches the rest
             raise APIError(str(exc), exc.param) from None
@@ -107,15 +111,19 @@ class ServingContext:
             raise APIError(str(exc), status=503) from None
 
     async def start_all(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Start one request per prompt (ids "<id>-<i>"); all or none."""
         if len(prompts) == 1:
-            return [await self.start(request_id, prompts[0], params)]
+            return [await self.start(request_id, prompts[0], params, cache_salt)]
         streams: list[RequestStream] = []
         try:
             for i, token_ids in enumerate(prompts):
-                streams.append(await self.start(f"{request_id}-{i}", token_ids, params))
+                streams.append(await self.start(f"{request_id}-{i}", token_ids, params, cache_salt))
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -161,6 +169,13 @@ def sampling_params(
         name = renames.get(exc.param, exc.param)
         raise APIError(f"{name} {exc.reason}", name) from None
     return params
+
+
+def cache_salt_of(request: SamplingRequest) -> str | None:
+    """The request's cache_salt; an empty one is a 400 (it would look like no salt)."""
+    if request.cache_salt is not None and not request.cache_salt:
+        raise APIError("cache_salt must be a non-empty string (or omitted)", "cache_salt")
+    return request.cache_salt
 
 
 def _reject_unsupported(request: SamplingRequest) -> None:

@@ -26,6 +26,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import (
     ServingContext,
+    cache_salt_of,
     collect_final,
     new_id,
     sampling_params,
@@ -96,13 +97,14 @@ class ChatHandler:
         stand_in = ctx.max_model_len if max_tokens is None else max_tokens
         params = sampling_params(body, stand_in, top, renames, ctx.vocab_size, ctx.limits)
         ctx.limits.check_fanout(1, params.n)
+        cache_salt = cache_salt_of(body)
         token_ids = await chat_token_ids(ctx, body.messages)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(1, ctx.max_model_len - len(token_ids))
             params = replace(params, max_tokens=max_tokens)
         ctx.check_fits(len(token_ids), max_tokens, "messages", max_field)
         request_id = new_id("chatcmpl")
-        stream = await ctx.start(request_id, token_ids, params)
+        stream = await ctx.start(request_id, token_ids, params, cache_salt)
         if body.stream:
             return SSEResponse(self._stream(request_id, body, params.n, stream), [stream])
         final = await cancel_on_disconnect(raw, collect_final(stream))

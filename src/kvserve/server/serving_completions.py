@@ -23,6 +23,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import (
     ServingContext,
+    cache_salt_of,
     collect_all,
     new_id,
     sampling_params,
@@ -57,11 +58,14 @@ class CompletionsHandler:
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs, {}, ctx.vocab_size, ctx.limits)
         ctx.limits.check_fanout(len(_prompt_list(body.prompt)), params.n)  # before any tokenizing
+        cache_salt = cache_salt_of(body)
         prompts = await self._prompts(body)
         for prompt in prompts:
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
         request_id = new_id("cmpl")
-        streams = await ctx.start_all(request_id, [p.token_ids for p in prompts], params)
+        streams = await ctx.start_all(
+            request_id, [p.token_ids for p in prompts], params, cache_salt
+        )
         if body.stream:
             events = self._stream(request_id, body, prompts, params, streams)
             return SSEResponse(events, streams)

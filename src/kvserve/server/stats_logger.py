@@ -1,7 +1,10 @@
 """A one-line status every few seconds while the server is busy, as vLLM logs it:
 
     Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.1 tokens/s,
-    Running: 12 reqs, Waiting: 3 reqs, KV cache usage: 41.2%, Prefix cache hit rate: 63.0%
+    Running: 12 reqs, Waiting: 3 reqs, KV cache usage: 41.2%, Prefix cache hit rate: 63.0%,
+    Prefix cache misses (tokens): below_block_size 40, isolated 0, evicted 96, never_seen 512
+
+(the misses of the interval by reason, kv/miss_reasons.py; left out when there were none)
 
 Silent while idle, so an idle server's log stays quiet.
 """
@@ -28,6 +31,7 @@ class _Totals:
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    prefix_misses: dict[str, int]
 
 
 class StatsLogger:
@@ -49,6 +53,7 @@ class StatsLogger:
             prefix_queries=stats.prefix_cache_queries,
             prefix_hits=stats.prefix_cache_hits,
             preemptions=stats.num_preemptions,
+            prefix_misses=dict(stats.prefix_cache_misses),
         )
 
     def status_line(self) -> str | None:
@@ -72,6 +77,10 @@ class StatsLogger:
             f"KV cache usage: {stats.kv_cache_usage:.1%}, "
             f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}"
         )
+        misses = {r: n - before.prefix_misses.get(r, 0) for r, n in now.prefix_misses.items()}
+        if any(misses.values()):
+            split = ", ".join(f"{reason} {num}" for reason, num in misses.items())
+            line += f", Prefix cache misses (tokens): {split}"
         preempted = now.preemptions - before.preemptions
         if preempted:
             line += f", Preemptions: {preempted}"

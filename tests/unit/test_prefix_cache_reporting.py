@@ -1,0 +1,47 @@
+"""Miss reasons on their way out: /metrics (one counter, a reason label), the periodic status
+line, and `kvserve bench serve`'s scrape and report."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvserve.bench.report import _memory_lines, memory_summary
+from kvserve.bench.scrape import parse_metrics, parse_miss_reasons, to_sample
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.stats_logger import StatsLogger
+from kvserve.step import SchedulerStats
+
+MISSES = {"below_block_size": 3, "isolated": 32, "evicted": 0, "never_seen": 48}
+
+
+def stats(**kw) -> SchedulerStats:
+    base = SchedulerStats(1, 0, 0.5, 10, 0, 100, 17, 0.0, dict(MISSES))
+    return replace(base, **kw)
+
+
+def test_metrics_expose_one_counter_per_reason_and_bench_reads_them_back():
+    metrics = ServerMetrics(lambda: stats(), "m")
+    text = metrics.exposition().decode()
+    assert 'kvserve:prefix_cache_miss_tokens_total{model_name="m",reason="isolated"} 32.0' in text
+    assert parse_miss_reasons(text) == {k: float(v) for k, v in MISSES.items()}
+    first = to_sample(parse_metrics(text), 0.0)
+    last = to_sample(parse_metrics(text), 1.0)
+    first.prefix_cache_miss_tokens.update(parse_miss_reasons(text))
+    last.prefix_cache_miss_tokens.update({**parse_miss_reasons(text), "never_seen": 148.0})
+    summary = memory_summary([first, last])
+    assert summary["prefix_cache_miss_tokens"]["never_seen"] == 100.0
+    assert summary["prefix_cache_miss_tokens"]["isolated"] == 0.0
+    lines = _memory_lines(summary)
+    assert any(line.startswith("Prefix misses never_seen (tokens):") for line in lines)
+
+
+def test_status_line_splits_the_interval_misses_by_reason():
+    current = [stats(prefix_cache_misses=dict.fromkeys(MISSES, 0))]
+    metrics = ServerMetrics(lambda: current[0], "m")
+    logger = StatsLogger(metrics, lambda: current[0], 5.0)
+    assert "Prefix cache misses" not in logger.status_line()
+    current[0] = stats()
+    line = logger.status_line()
+    assert line.endswith(
+        "Prefix cache misses (tokens): below_block_size 3, isolated 32, evicted 0, never_seen 48"
+    )
