@@ -113,8 +113,10 @@ def test_events_batch_consecutive_stored_blocks_and_evictions():
 
 
 def test_new_blocks_for_persistence_and_cold_blocks_load_as_free_cached():
-    cm = make(track_new_blocks=True)
+    cm = make(track_new_blocks=True, enable_events=True)
     run(cm, "a", PROMPT)
+    [stored] = cm.take_events()  # one event for the run of 3 blocks, its own token list
+    assert stored.token_ids == PROMPT[:12]
     new = cm.take_new_blocks()
     assert [b.token_ids for b in new] == [PROMPT[0:4], PROMPT[4:8], PROMPT[8:12]]
     assert new[1].parent_key == new[0].key and new[0].parent_key is None

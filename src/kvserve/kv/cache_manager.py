@@ -304,7 +304,7 @@ class KVCacheManager:
                 last.block_hashes.append(hashes.keys[i])
                 last.token_ids.extend(tokens)
             else:
-                self._events.append(BlockStored([hashes.keys[i]], parent, tokens, size))
+                self._events.append(BlockStored([hashes.keys[i]], parent, list(tokens), size))
 
     def _on_evict(self, key: bytes) -> None:
         """The pool evicted a cached block to make room."""

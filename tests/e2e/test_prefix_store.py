@@ -1,0 +1,257 @@
+"""The prefix cache as a store, through real servers on the embedded model: cache salts and
+public prefixes, POST /reset_prefix_cache, miss reasons with exact token counts, KV events read
+by a real ZMQ subscriber and decoded as vLLM's own subscriber decodes them, the store on disk
+surviving a SIGTERM restart, a KV dtype change that does not load it, and the 8-bit KV check.
+
+One server (A) runs the first tests; then it is stopped and two start at once on its store:
+B (same configuration, behind an API key) and C (--kv-cache-dtype int8).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from e2e_server import ServerProcess, scrape
+
+BLOCK = 16
+SYSTEM = (
+    "You are Captain Byte, the cheerful assistant of the harbour museum. You answer questions "
+    "about ships, lighthouses and the sea in two short sentences, and you never give medical "
+    "or legal advice."
+)
+PUBLIC = [{"role": "system", "content": SYSTEM}]
+SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
+REASONS = ("below_block_size", "isolated", "evicted", "never_seen")
+
+
+# vLLM's event classes (vllm/distributed/kv_events.py), as its subscribers declare them.
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def token_prompt(seed: int, num_tokens: int) -> list[int]:
+    return [(i * 7919 + seed * 104729) % 40000 + 100 for i in range(num_tokens)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prefix-store")
+    public = root / "public.json"
+    public.write_text(json.dumps([PUBLIC]))
+    return {"public": public, "store": root / "store", "events": root / "events.sock"}
+
+
+@pytest.fixture(scope="module")
+def subscriber(files):
+    """Subscribed before the server binds, so that no batch is missed."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"ipc://{files['events']}")
+    yield sub
+    context.destroy(linger=0)
+
+
+def store_args(files: dict[str, Path]) -> list[str]:
+    return [*SMALL, "--public-prefixes", str(files["public"]),
+            "--prefix-cache-dir", str(files["store"])]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server_a(server_factory, files, subscriber) -> ServerProcess:
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": f"ipc://{files['events']}"}  # fmt: skip
+    server = server_factory(*store_args(files), "--kv-events-config", json.dumps(events))
+    server.wait_healthy()
+    return server
+
+
+@pytest.fixture(scope="module")
+def http(server_a) -> httpx.Client:
+    with httpx.Client(base_url=server_a.base_url, timeout=120) as client:
+        yield client
+
+
+def cached(http: httpx.Client, path: str, body: dict, salt: str | None = None, **kw) -> int:
+    """cached_tokens of one greedy request."""
+    body = {**body, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    response = http.post(path, json=body, **kw)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def completion(http: httpx.Client, prompt: list[int], salt: str | None = None) -> int:
+    return cached(http, "/v1/completions", {"prompt": prompt}, salt)
+
+
+def chat(http: httpx.Client, user: str, salt: str | None = None) -> int:
+    messages = [*PUBLIC, {"role": "user", "content": user}]
+    return cached(http, "/v1/chat/completions", {"messages": messages}, salt)
+
+
+def misses(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found = {}
+    for reason in REASONS:
+        line = next(x for x in text.splitlines() if f'reason="{reason}"' in x)
+        found[reason] = float(line.split()[-1])
+    return found
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {r: int(after[r] - before[r]) for r in REASONS}
+
+
+def test_salts_isolate_completions(http):
+    prompt = token_prompt(1, 50)  # 3 full blocks a later request can hit
+    assert completion(http, prompt, "tenant-a") == 0
+    assert completion(http, prompt, "tenant-a") == 48
+    assert completion(http, prompt, "tenant-b") == 0
+    assert completion(http, prompt) == 0  # no salt is a namespace of its own
+    response = http.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt"
+
+
+def test_public_system_prompt_is_shared_across_salts_and_nothing_after(http, embedded_tokenizer):
+    rendered = embedded_tokenizer.apply_chat_template(PUBLIC, tokenize=False)
+    public_tokens = len(embedded_tokenizer.encode(rendered, add_special_tokens=False))
+    shared = public_tokens // BLOCK * BLOCK
+    assert shared >= 2 * BLOCK
+    question = "Why do lighthouses have different flashing patterns at night?"
+    assert chat(http, question, "tenant-a") == 0
+    assert chat(http, question, "tenant-a") > shared  # the tenant's own blocks too
+    assert chat(http, question, "tenant-b") == shared  # the system prompt's blocks only
+    assert chat(http, "How tall is the tallest lighthouse?", "tenant-c") == shared
+    assert chat(http, question) == shared
+
+
+def test_each_miss_reason_is_counted_exactly(http, server_a):
+    prompt = token_prompt(2, 50)  # 3 blocks a hit could cover + 2 tokens below a block
+    before = misses(server_a.base_url)
+    completion(http, prompt)
+    after_new = misses(server_a.base_url)
+    assert delta(after_new, before) == {"below_block_size": 2, "isolated": 0, "evicted": 0,
+                                        "never_seen": 48}  # fmt: skip
+    completion(http, prompt, "tenant-x")  # cached, but under no salt
+    after_salt = misses(server_a.base_url)
+    assert delta(after_salt, after_new) == {"below_block_size": 2, "isolated": 48, "evicted": 0,
+                                            "never_seen": 0}  # fmt: skip
+    assert http.post("/reset_prefix_cache").status_code == 200
+    completion(http, prompt)  # was cached, then dropped
+    after_reset = misses(server_a.base_url)
+    assert delta(after_reset, after_salt) == {"below_block_size": 2, "isolated": 0,
+                                              "evicted": 48, "never_seen": 0}  # fmt: skip
+    status = [line for line in server_a.log().splitlines() if "Prefix cache misses" in line]
+    assert status, "the status line splits the misses by reason"
+
+
+def test_reset_drops_cached_blocks(http):
+    prompt = token_prompt(3, 40)
+    completion(http, prompt)
+    assert completion(http, prompt) == 32
+    response = http.post("/reset_prefix_cache")
+    assert response.status_code == 200 and response.json()["num_blocks_dropped"] > 0
+    assert completion(http, prompt) == 0
+
+
+def receive(subscriber, want, timeout: float = 15.0) -> list:
+    """Decoded events until one satisfies `want`; checks the frames and sequence numbers."""
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    seen, last_seq = [], -1
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not subscriber.poll(200):
+            continue
+        topic, seq_bytes, payload = subscriber.recv_multipart()
+        seq = int.from_bytes(seq_bytes, "big")
+        assert topic == b"kv" and len(seq_bytes) == 8 and seq > last_seq
+        last_seq = seq
+        batch = decoder.decode(payload)
+        assert batch.data_parallel_rank == 0 and batch.ts > 0
+        seen.extend(batch.events)
+        if any(want(e) for e in batch.events):
+            return seen
+    raise AssertionError(f"no matching event in {seen!r:.2000}")
+
+
+def test_kv_events_reach_a_zmq_subscriber(http, subscriber):
+    prompt = token_prompt(4, 40)  # caches 2 full blocks
+    completion(http, prompt)
+    events = receive(subscriber, lambda e: isinstance(e, BlockStored) and e.token_ids == prompt[:32])
+    stored = next(e for e in events if isinstance(e, BlockStored) and e.token_ids == prompt[:32])
+    assert len(stored.block_hashes) == 2 and stored.parent_block_hash is None
+    assert stored.block_size == BLOCK and stored.lora_id is None and stored.medium == "CPU"
+    http.post("/reset_prefix_cache")
+    receive(subscriber, lambda e: isinstance(e, AllBlocksCleared | BlockRemoved))
+
+
+RESTART_PROMPT = token_prompt(5, 50)
+
+
+@pytest.fixture(scope="module")
+def restarted(server_factory, server_a, http, files) -> tuple[ServerProcess, ServerProcess]:
+    """A caches RESTART_PROMPT and stops (SIGTERM); B (same flags, an API key) and C (int8 KV)
+    start on its store at the same time."""
+    completion(http, RESTART_PROMPT)
+    assert server_a.stop() == 0
+    assert "new blocks written at shutdown" in server_a.log()
+    b = server_factory(*store_args(files), "--api-key", "secret")
+    c = server_factory(*store_args(files), "--kv-cache-dtype", "int8")
+    b.wait_healthy()
+    c.wait_healthy()
+    return b, c
+
+
+def test_a_restart_keeps_the_cache(restarted):
+    b, _ = restarted
+    auth = {"Authorization": "Bearer secret"}
+    with httpx.Client(base_url=b.base_url, timeout=120, headers=auth) as client:
+        assert completion(client, RESTART_PROMPT) == 48  # the first request after the restart
+        assert httpx.post(f"{b.base_url}/reset_prefix_cache").status_code == 401
+        assert client.post("/reset_prefix_cache").status_code == 200
+        assert completion(client, RESTART_PROMPT) == 0
+    assert "loaded 3 cached blocks from 1 of 1 groups" in b.log()
+
+
+def test_another_kv_dtype_does_not_load_the_store(restarted):
+    _, c = restarted
+    log = c.log()
+    assert "kv_cache_dtype: stored float32, now int8" in log
+    assert "KV cache dtype check: int8 vs float32" in log and ": pass" in log
+    before = misses(c.base_url)
+    with httpx.Client(base_url=c.base_url, timeout=120) as client:
+        assert completion(client, RESTART_PROMPT) == 0
+    assert delta(misses(c.base_url), before)["isolated"] == 48  # cached under float32 KV
+    assert scrape(c.base_url)["kvserve:prefix_cache_hits_total"] == 0
