@@ -5,10 +5,15 @@ kvserve loads it exactly as it would a real checkpoint directory."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The engine compiles its layers with torch.compile by default; the suite runs them eagerly
+# (and tests/model/test_fast_paths.py compares the two), which saves seconds per engine start.
+os.environ.setdefault("KVSERVE_ENFORCE_EAGER", "1")
 
 TINY = dict(
     hidden_size=64,

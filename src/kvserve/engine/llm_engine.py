@@ -19,7 +19,7 @@ from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices
-from kvserve.engine.kv_dtype_check import check_kv_cache_dtype
+from kvserve.engine.kv_dtype_check import Canary, check_kv_cache_dtype
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
@@ -156,8 +156,12 @@ class LLMEngine:
         checked against the model's dtype; ParameterError when it fails and may not fall
         back)."""
         kv_dtype = check_kv_cache_dtype(
-            config.cache, self.model, self.model_config, self.tokenizer, self.dtype, self.device
-        )
+            config.cache,
+            lambda: Canary(
+                self.model, self.model_config, self.tokenizer, self.dtype,
+                config.cache.block_size, self.device,
+            ),
+        )  # fmt: skip
         return replace(config, cache=replace(config.cache, kv_cache_dtype=kv_dtype))
 
     def _build_runtime(self) -> None:

@@ -8,6 +8,8 @@ passed into ``forward`` explicitly each step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,7 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
+from kvserve.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -68,6 +71,45 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def pre_attention(
+    layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, QKV projection and RoPE: hidden [T, hidden] -> q [T, H, D], k/v [T, Hkv, D]."""
+    num_tokens = hidden.shape[0]
+    q, k, v = layer.qkv_proj(layer.input_layernorm(hidden)).split(layer.split_sizes, dim=-1)
+    q = rotate(q.view(num_tokens, layer.num_heads, layer.head_dim), cos, sin)
+    k = rotate(k.view(num_tokens, layer.num_kv_heads, layer.head_dim), cos, sin)
+    return q, k, v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+
+
+def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Output projection, residual, RMSNorm, SiLU-gated MLP, residual: the new hidden state."""
+    hidden = hidden + layer.o_proj(attn.reshape(hidden.shape[0], -1))
+    gate, up = layer.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+    return hidden + layer.down_proj(F.silu(gate) * up)
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The two halves of a decoder layer around attention: eager, or compiled by
+    torch.compile (inductor fuses the element-wise work: RMSNorm, RoPE, SiLU x gate and the
+    residual adds, which eager PyTorch runs as ~20 separate passes over memory)."""
+
+    pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    post_attention: Callable[..., torch.Tensor]
+
+
+EAGER = LayerKernels(pre_attention, post_attention)
+
+
+def compiled_kernels() -> LayerKernels:
+    """Both halves through torch.compile with dynamic token counts (one graph for every layer
+    and every batch size, reused across processes by inductor's on-disk cache)."""
+    return LayerKernels(
+        torch.compile(pre_attention, dynamic=True), torch.compile(post_attention, dynamic=True)
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -93,16 +135,11 @@ class DecoderLayer(nn.Module):
         kv_cache: LayerKVCache,
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        kernels: LayerKernels = EAGER,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(hidden)).split(self.split_sizes, dim=-1)
-        q = rotate(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = kernels.pre_attention(self, hidden, cos, sin)
         attn = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return kernels.post_attention(self, hidden, attn)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,6 +152,12 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.kernels = EAGER
+        self.logits_head: PackedLinear | None = None
+
+    def compile(self) -> None:  # type: ignore[override]
+        """Run the layers' element-wise work through torch.compile from now on."""
+        self.kernels = compiled_kernels()
 
     @classmethod
     def from_weights(
@@ -130,7 +173,19 @@ class LlamaForCausalLM(nn.Module):
         state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model.load_state_dict(state, strict=True, assign=True)
         model.inv_freq = rope_inv_freq(config).to(device)
-        return model.eval()
+        model.eval()
+        if can_pack(device, dtype):
+            model.pack_weights()
+        return model
+
+    def pack_weights(self) -> None:
+        """Every projection, and the LM head, through oneDNN-prepacked weights (see
+        packed_linear.py); the tied embedding keeps its plain table for the lookups."""
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.logits_head = PackedLinear(head, None)
+        if not self.config.tie_word_embeddings:
+            del self.lm_head
+        pack_linear_layers(self.layers)
 
     def forward(
         self,
@@ -145,11 +200,13 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend)
+            hidden = layer(hidden, cos, sin, kv_cache, metadata, backend, self.kernels)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = (
             self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         )

@@ -110,6 +110,16 @@ class ModelRunner:
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
+    def warm_up(self) -> None:
+        """Run a 1-token and a 16-token prefill, so that torch.compile compiles (or loads from
+        its cache) both graphs it needs now, at start-up, instead of in a user's request:
+        dynamic shapes cover every batch size, but a single token is specialized."""
+        num_blocks = self.kv_caches[0].key.shape[0]
+        for num_tokens in (1, 16):
+            if cdiv(num_tokens, self.block_size) <= num_blocks:
+                self.execute(SchedulerOutput([dummy_request(num_tokens, self.block_size)], [], []))
+        self._generators.clear()
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
@@ -180,6 +190,22 @@ class ModelRunner:
         return out
 
 
+def dummy_request(num_tokens: int, block_size: int) -> ScheduledRequest:
+    """A prefill of `num_tokens` zeros in blocks 0..n-1, for warm-up and profiling passes.
+    It writes into those blocks' slots, which is harmless: a block's slots are always written
+    by its owner before they are read, and these blocks hold no cached prefix."""
+    return ScheduledRequest(
+        request_id="warm-up",
+        token_ids=[0] * num_tokens,
+        start_position=0,
+        block_table=list(range(cdiv(num_tokens, block_size))),
+        sample=True,
+        sampling_params=SamplingParams(temperature=0.0),
+        num_output_tokens=0,
+        eos_token_ids=frozenset(),
+    )
+
+
 def profile_peak_activation_bytes(
     model: torch.nn.Module,
     spec,  # KVCacheSpec
@@ -191,18 +217,8 @@ def profile_peak_activation_bytes(
     what was allocated before; used to size the KV cache on a GPU."""
     from kvserve.attention.kv_cache import allocate_kv_caches
 
-    num_blocks = spec.num_blocks_for_tokens(num_tokens)
-    caches = allocate_kv_caches(spec, num_blocks, device)
-    dummy = ScheduledRequest(
-        request_id="profile",
-        token_ids=[0] * num_tokens,
-        start_position=0,
-        block_table=list(range(num_blocks)),
-        sample=True,
-        sampling_params=SamplingParams(temperature=0.0),
-        num_output_tokens=0,
-        eos_token_ids=frozenset(),
-    )
+    caches = allocate_kv_caches(spec, spec.num_blocks_for_tokens(num_tokens), device)
+    dummy = dummy_request(num_tokens, spec.block_size)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

@@ -74,13 +74,20 @@ def sample(
     logprobs = None
     if any(n is not None for n in batch.num_logprobs):
         logprobs = torch.log_softmax(logits, dim=-1)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = _argmax(logits)
     if batch.all_greedy:
         return SamplerOutput(greedy_ids, logprobs)
     probs = _filtered_probs(logits / batch.temperature[:, None], batch)
     noise = _exponential_noise(probs, batch.generators, generator)
-    random_ids = (probs / noise).argmax(dim=-1)
+    random_ids = _argmax(probs / noise)
     return SamplerOutput(torch.where(batch.greedy, greedy_ids, random_ids), logprobs)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum (the first on a tie, as argmax).  `max(dim).indices` is the
+    same result, 3-4x faster than `argmax` on a CPU (measured on [32-128, 49,152] float32 rows,
+    one thread: argmax is not vectorized there)."""
+    return x.max(dim=-1).indices
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Every fast path against the reference path it replaces:
+
+* oneDNN-prepacked linear layers (bfloat16 on a CPU) give the values of F.linear;
+* torch.compile'd layers (the engine's default; the rest of the suite runs eagerly through
+  KVSERVE_ENFORCE_EAGER=1 to save compile time) give the eager logits: within 1e-5 in float32
+  and the same greedy tokens; within bfloat16 rounding in bfloat16;
+* the sampler's faster argmax picks the first maximum, as torch.argmax does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import LLM, SamplingParams
+from kvserve.models.packed_linear import PackedLinear, can_pack
+from kvserve.runner.sampling import _argmax
+
+PROMPTS = [[(i * 7919 + j) % 40000 + 7 for i in range(20 + 13 * j)] for j in range(3)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):
+    return str(tiny_model_dir("llama3")[0])
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN")
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (3, 5, 64)])
+def test_packed_linear_equals_f_linear(shape):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    for b in (None, bias):
+        got = PackedLinear(weight, b)(x)
+        want = F.linear(x, weight, b)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+
+
+def _logprobs_and_tokens(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(PROMPTS, params)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [[e.logprob for e in o.outputs[0].logprobs] for o in outputs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.15)])
+def test_compiled_layers_match_eager(tiny_dir, dtype, tolerance):
+    def make(eager: bool) -> LLM:
+        return LLM(tiny_dir, dtype=dtype, kv_cache_memory=4 * 2**20, max_model_len=256,
+                   enforce_eager=eager)  # fmt: skip
+
+    eager, compiled = make(True), make(False)
+    assert compiled.engine.model.kernels is not eager.engine.model.kernels  # really compiled
+    eager_tokens, eager_lp = _logprobs_and_tokens(eager)
+    compiled_tokens, compiled_lp = _logprobs_and_tokens(compiled)
+    if dtype == "float32":
+        assert compiled_tokens == eager_tokens
+    for a_tokens, b_tokens, a, b in zip(eager_tokens, compiled_tokens, eager_lp, compiled_lp,
+                                        strict=True):  # fmt: skip
+        pairs = enumerate(zip(a_tokens, b_tokens, strict=True))
+        same = next((i for i, (x, y) in pairs if x != y), len(a))
+        assert same > 0  # the first token always agrees (bf16 near-ties may differ later)
+        assert max(abs(x - y) for x, y in zip(a[:same], b[:same], strict=True)) < tolerance
+
+
+def test_argmax_is_the_first_maximum():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
+    assert _argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 2]
+    wide = torch.randn(64, 49152)
+    assert torch.equal(_argmax(wide), wide.argmax(dim=-1))
