@@ -18,6 +18,7 @@ embedded model (docs/prefix_cache.md).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,21 +72,24 @@ class CanaryResult:
 
 
 class Canary:
-    """The canary's reference logits, computed once, and the comparison of any KV dtype."""
+    """The canary's reference logits, computed once, and the comparison of any KV dtype
+    (each computed once)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         config: ModelConfig,
-        token_ids: list[int],
+        tokenizer: object,
         model_dtype: torch.dtype,
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.model, self.config, self.token_ids = model, config, token_ids
+        self.model, self.config = model, config
+        self.token_ids = tokenizer.encode(CANARY_TEXT, add_special_tokens=False)
         self.model_dtype = platform.dtype_name(model_dtype)
         self.block_size, self.device = block_size, device
         self.reference = self._logits("auto")[CANARY_CHUNK:]
+        self._results: dict[str, CanaryResult] = {}
 
     def _logits(self, kv_dtype: str) -> torch.Tensor:
         c = self.config
@@ -97,32 +101,28 @@ class Canary:
         return chunked_prefill_logits(self.model, cache, self.token_ids, CANARY_CHUNK, self.device)
 
     def compare(self, kv_dtype: str) -> CanaryResult:
-        logits = self._logits(kv_dtype)[CANARY_CHUNK:]
-        same = logits.argmax(-1) == self.reference.argmax(-1)
-        return CanaryResult(
-            kv_dtype=resolve_kv_dtype(kv_dtype, self.model_dtype),
-            reference_dtype=self.model_dtype,
-            num_positions=len(same),
-            max_logit_diff=float((logits - self.reference).abs().max()),
-            agreement=float(same.float().mean()),
-        )
+        resolved = resolve_kv_dtype(kv_dtype, self.model_dtype)
+        if resolved not in self._results:
+            logits = self._logits(resolved)[CANARY_CHUNK:]
+            same = logits.argmax(-1) == self.reference.argmax(-1)
+            self._results[resolved] = CanaryResult(
+                kv_dtype=resolved,
+                reference_dtype=self.model_dtype,
+                num_positions=len(same),
+                max_logit_diff=float((logits - self.reference).abs().max()),
+                agreement=float(same.float().mean()),
+            )
+        return self._results[resolved]
 
 
-def check_kv_cache_dtype(
-    cache: CacheConfig,
-    model: torch.nn.Module,
-    config: ModelConfig,
-    tokenizer: object,
-    model_dtype: torch.dtype,
-    device: torch.device,
-) -> str:
+def check_kv_cache_dtype(cache: CacheConfig, make_canary: Callable[[], Canary]) -> str:
     """The --kv-cache-dtype to use: the one asked for, or (fallback) one that passes.
-    ParameterError naming --kv-cache-dtype when it fails and the mode is `refuse`."""
+    ParameterError naming --kv-cache-dtype when it fails and the mode is `refuse`.
+    `make_canary` is called only when an 8-bit dtype is to be checked."""
     asked = cache.kv_cache_dtype
     if cache.kv_cache_dtype_check == "off" or resolve_kv_dtype(asked, "") not in QUANTIZED_DTYPES:
         return asked
-    token_ids = tokenizer.encode(CANARY_TEXT, add_special_tokens=False)
-    canary = Canary(model, config, token_ids, model_dtype, cache.block_size, device)
+    canary = make_canary()
     minimum = cache.kv_cache_dtype_check_min_agreement
     result = canary.compare(asked)
     logger.info(result.line(minimum))
