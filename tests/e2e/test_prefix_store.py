@@ -209,8 +209,11 @@ def receive(subscriber, want, timeout: float = 15.0) -> list:
 def test_kv_events_reach_a_zmq_subscriber(http, subscriber):
     prompt = token_prompt(4, 40)  # caches 2 full blocks
     completion(http, prompt)
-    events = receive(subscriber, lambda e: isinstance(e, BlockStored) and e.token_ids == prompt[:32])
-    stored = next(e for e in events if isinstance(e, BlockStored) and e.token_ids == prompt[:32])
+
+    def ours(event) -> bool:
+        return isinstance(event, BlockStored) and event.token_ids == prompt[:32]
+
+    stored = next(e for e in receive(subscriber, ours) if ours(e))
     assert len(stored.block_hashes) == 2 and stored.parent_block_hash is None
     assert stored.block_size == BLOCK and stored.lora_id is None and stored.medium == "CPU"
     http.post("/reset_prefix_cache")

@@ -13,8 +13,13 @@ def make(num_blocks=16, **kw) -> KVCacheManager:
     return KVCacheManager(num_blocks, block_size=BS, extra_key=b"float32", **kw)
 
 
-def run(cm: KVCacheManager, request_id: str, tokens: list[int], salt: str | None = None,
-        keep: bool = False) -> int:
+def run(
+    cm: KVCacheManager,
+    request_id: str,
+    tokens: list[int],
+    salt: str | None = None,
+    keep: bool = False,
+) -> int:
     """Admit, compute and (unless `keep`) free one request; returns its cached tokens."""
     hit = cm.find_cached_prefix(request_id, tokens, salt)
     assert cm.allocate_slots(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
