@@ -30,33 +30,25 @@ SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
 REASONS = ("below_block_size", "isolated", "evicted", "never_seen")
 
 
-# vLLM's event classes (vllm/distributed/kv_events.py), as its subscribers declare them.
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
+# vLLM's event classes (vllm/distributed/kv_events.py) in their field order, as its subscribers
+# declare them: array_like Structs, each event tagged with its class name.
+_EVENT = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
+BlockStored = msgspec.defstruct(
+    "BlockStored",
+    [("block_hashes", list[int]), ("parent_block_hash", int | None), ("token_ids", list[int]),
+     ("block_size", int), ("lora_id", int | None), ("medium", str | None)],
+    **_EVENT,
+)  # fmt: skip
+BlockRemoved = msgspec.defstruct(
+    "BlockRemoved", [("block_hashes", list[int]), ("medium", str | None)], **_EVENT
+)
+AllBlocksCleared = msgspec.defstruct("AllBlocksCleared", [], **_EVENT)
+KVEventBatch = msgspec.defstruct(
+    "KVEventBatch",
+    [("ts", float), ("events", list[BlockStored | BlockRemoved | AllBlocksCleared]),
+     ("data_parallel_rank", int | None, None)],
+    array_like=True, omit_defaults=True,
+)  # fmt: skip
 
 
 def token_prompt(seed: int, num_tokens: int) -> list[int]:
@@ -96,10 +88,16 @@ def server_a(server_factory, files, subscriber) -> ServerProcess:
     return server
 
 
+def client(server: ServerProcess, api_key: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=server.base_url, timeout=120, headers=headers)
+
+
 @pytest.fixture(scope="module")
 def http(server_a) -> httpx.Client:
-    with httpx.Client(base_url=server_a.base_url, timeout=120) as client:
-        yield client
+    """A's client: closed with the module (A stops before the module ends)."""
+    yield (http := client(server_a))
+    http.close()
 
 
 def cached(http: httpx.Client, path: str, body: dict, salt: str | None = None, **kw) -> int:
@@ -239,12 +237,11 @@ def restarted(server_factory, server_a, http, files) -> tuple[ServerProcess, Ser
 
 def test_a_restart_keeps_the_cache(restarted):
     b, _ = restarted
-    auth = {"Authorization": "Bearer secret"}
-    with httpx.Client(base_url=b.base_url, timeout=120, headers=auth) as client:
-        assert completion(client, RESTART_PROMPT) == 48  # the first request after the restart
+    with client(b, api_key="secret") as http_b:
+        assert completion(http_b, RESTART_PROMPT) == 48  # the first request after the restart
         assert httpx.post(f"{b.base_url}/reset_prefix_cache").status_code == 401
-        assert client.post("/reset_prefix_cache").status_code == 200
-        assert completion(client, RESTART_PROMPT) == 0
+        assert http_b.post("/reset_prefix_cache").status_code == 200
+        assert completion(http_b, RESTART_PROMPT) == 0
     assert "loaded 3 cached blocks from 1 of 1 groups" in b.log()
 
 
@@ -254,7 +251,7 @@ def test_another_kv_dtype_does_not_load_the_store(restarted):
     assert "kv_cache_dtype: stored float32, now int8" in log
     assert "KV cache dtype check: int8 vs float32" in log and ": pass" in log
     before = misses(c.base_url)
-    with httpx.Client(base_url=c.base_url, timeout=120) as client:
-        assert completion(client, RESTART_PROMPT) == 0
+    with client(c) as http_c:
+        assert completion(http_c, RESTART_PROMPT) == 0
     assert delta(misses(c.base_url), before)["isolated"] == 48  # cached under float32 KV
     assert scrape(c.base_url)["kvserve:prefix_cache_hits_total"] == 0

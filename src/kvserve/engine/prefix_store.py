@@ -129,7 +129,7 @@ class PrefixStore:
             stale.unlink(missing_ok=True)
         paths = sorted(self.directory.glob("group-*.safetensors"))
         self._next_seq = 1 + max((int(p.stem.split("-")[1]) for p in paths), default=-1)
-        room, chosen = cache_manager.pool.num_free_uncached, []
+        room, chosen = cache_manager.pool.num_free_blocks, []  # at start-up: all uncached
         for path in reversed(paths):  # newest first while blocks last
             group = self._read_keys(path)
             if group is not None and room > 0:

@@ -130,9 +130,9 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._hash_to_block)
 
-    @property
-    def num_free_uncached(self) -> int:
-        return len(self._free_uncached)
+    def can_allocate_without_evicting(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks that hold no cached content are free."""
+        return len(self._free_uncached) >= num_blocks
 
     def num_free_after_touch(self, block_ids: Iterable[int]) -> int:
         """Free blocks left once `block_ids` are touched (free cached hits stop being free)."""

@@ -353,7 +353,7 @@ class KVCacheManager:
         block_ids = []
         pool = self.pool
         for key, content in zip(keys, contents, strict=True):
-            if pool.lookup(key) is not None or pool.num_free_uncached == 0:
+            if pool.lookup(key) is not None or not pool.can_allocate_without_evicting(1):
                 block_ids.append(-1)
                 continue
             [block_id] = pool.allocate(1)
