@@ -4,7 +4,8 @@
     DIR/<fingerprint digest>/group-0000000007.safetensors
         <layer>.key / <layer>.value [n, block_size, kv_heads, head_dim] (storage dtype)
         <layer>.key_scale / <layer>.value_scale [n, block_size, kv_heads] (scaled 8-bit only)
-        keys, contents, parents [n, 32] uint8 (block key, content hash, parent key or zeros)
+        keys, parents [n, 32] uint8 (block key, parent key or zeros)
+        contents [n] int64 (the statistics-only content hash, kv/prefix_cache.py)
         token_ids [n, block_size] int64
 
 When: blocks cached since the last save are written every PREFIX_CACHE_SAVE_INTERVAL_S
@@ -167,7 +168,7 @@ class PrefixStore:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     keys, contents = f.get_tensor("keys"), f.get_tensor("contents")
-                cache_manager.note_isolated(_rows(contents), _rows(keys))
+                cache_manager.note_isolated(contents.tolist(), _rows(keys))
             except Exception:  # noqa: BLE001 - another store's file: best effort
                 continue
 
@@ -188,7 +189,7 @@ class PrefixStore:
         except Exception as exc:  # noqa: BLE001
             self._drop_broken(group.path, exc)
             return 0
-        block_ids = cache_manager.load_cold_blocks(group.keys, _rows(tensors["contents"]))
+        block_ids = cache_manager.load_cold_blocks(group.keys, tensors["contents"].tolist())
         rows = [i for i, b in enumerate(block_ids) if b >= 0]
         if not rows:
             return 0
@@ -248,7 +249,7 @@ class PrefixStore:
         }
         zeros = bytes(_HASH_BYTES)
         tensors["keys"] = _hash_tensor([b.key for b in group])
-        tensors["contents"] = _hash_tensor([b.content for b in group])
+        tensors["contents"] = torch.tensor([b.content for b in group], dtype=torch.int64)
         tensors["parents"] = _hash_tensor([b.parent_key or zeros for b in group])
         tensors["token_ids"] = torch.tensor([b.token_ids for b in group], dtype=torch.int64)
         return tensors

@@ -13,7 +13,7 @@ block (dropping its hash), so the prefix cache keeps as much as memory allows.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 
@@ -129,6 +129,11 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._hash_to_block)
+
+    @property
+    def cached_keys(self) -> Container[bytes]:
+        """The hashes cached now (a read-only view: `key in pool.cached_keys`)."""
+        return self._hash_to_block.keys()
 
     def can_allocate_without_evicting(self, num_blocks: int) -> bool:
         """Whether `num_blocks` blocks that hold no cached content are free."""

@@ -64,7 +64,7 @@ class NewBlock:
 
     block_id: int
     key: bytes
-    content: bytes
+    content: int  # the statistics-only content hash (kv/prefix_cache.py)
     parent_key: bytes | None
     token_ids: list[int]
 
@@ -252,7 +252,7 @@ class KVCacheManager:
         hashes = self._block_hashes[request_id]
         counts = self._misses.classify(
             hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,
-            lambda key: self.pool.lookup(key) is not None,
+            self.pool.cached_keys,
         )  # fmt: skip
         for reason, num in counts.items():
             stats.misses[reason] += num
@@ -280,9 +280,12 @@ class KVCacheManager:
             if self.pool.blocks[block_id].block_hash is None and self.pool.cache(
                 block_id, hashes.keys[i]
             ):
-                self._misses.record_cached(hashes.contents[i], hashes.keys[i])
                 stored.append(i)
         self._num_cached_blocks[request_id] = num_full
+        if stored:
+            self._misses.record_cached(
+                [hashes.contents[i] for i in stored], [hashes.keys[i] for i in stored]
+            )
         if stored and (self._events is not None or self._new_blocks is not None):
             self._record_stored(stored, hashes, token_ids, table)
 
@@ -345,7 +348,7 @@ class KVCacheManager:
         blocks = self.pool.blocks
         return [b for b in new if blocks[b.block_id].block_hash == b.key]
 
-    def load_cold_blocks(self, keys: Sequence[bytes], contents: Sequence[bytes]) -> list[int]:
+    def load_cold_blocks(self, keys: Sequence[bytes], contents: Sequence[int]) -> list[int]:
         """Register blocks read back from a store as cached but free (the next to evict are
         the first given).  Returns a block id per key, -1 for a key already cached; the caller
         copies the K/V into those blocks before the next step.  Never evicts: stops when no
@@ -359,15 +362,14 @@ class KVCacheManager:
             [block_id] = pool.allocate(1)
             pool.cache(block_id, key)
             pool.free([block_id])
-            self._misses.record_cached(content, key)
+            self._misses.record_cached([content], [key])
             block_ids.append(block_id)
         return block_ids
 
-    def note_isolated(self, contents: Sequence[bytes], keys: Sequence[bytes]) -> None:
+    def note_isolated(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:
         """Tell the miss classifier that these contents were cached under these keys (another
         KV dtype's store), so that missing them counts as `isolated`."""
-        for content, key in zip(contents, keys, strict=True):
-            self._misses.record_cached(content, key)
+        self._misses.record_cached(contents, keys)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first) and forget its table and hashes."""

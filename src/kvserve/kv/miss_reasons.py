@@ -14,14 +14,14 @@ hit must be a prefix); it gets the reason of the miss that broke the chain.
 
 Classification runs once per admitted request, over its blocks (not its tokens), from two
 bounded records kept as blocks are cached and removed: the keys removed recently, and a shadow
-index content hash -> the key it was last cached under.
+index content hash (kv/prefix_cache.py, no namespace) -> the key it was last cached under.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Sequence
 
 
 class MissReason(enum.Enum):
@@ -32,6 +32,9 @@ class MissReason(enum.Enum):
 
 
 MISS_REASONS = tuple(r.value for r in MissReason)
+# the values as plain strings: the classification loop reads them (an enum member's .value
+# is a descriptor call)
+_BELOW, _ISOLATED, _EVICTED, _NEVER_SEEN = MISS_REASONS
 MAX_RECORD_ENTRIES = 1 << 18  # ~256k entries each, tens of MB at most
 
 
@@ -42,7 +45,7 @@ class _BoundedRecord(OrderedDict):
         super().__init__()
         self.capacity = capacity
 
-    def put(self, key: bytes, value: bytes | None = None) -> None:
+    def put(self, key: bytes | int, value: bytes | None = None) -> None:
         self[key] = value
         self.move_to_end(key)
         if len(self) > self.capacity:
@@ -57,40 +60,46 @@ class MissClassifier:
         self._removed = _BoundedRecord(capacity)  # key -> None
         self._shadow = _BoundedRecord(capacity)  # content hash -> key
 
-    def record_cached(self, content: bytes, key: bytes) -> None:
-        self._shadow.put(content, key)
-        self._removed.pop(key, None)
+    def record_cached(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:
+        """These blocks were cached (under these keys)."""
+        shadow, removed = self._shadow, self._removed
+        for content, key in zip(contents, keys, strict=True):
+            shadow[content] = key
+            shadow.move_to_end(content)
+            if removed:
+                removed.pop(key, None)
+        while len(shadow) > shadow.capacity:
+            shadow.popitem(last=False)
 
     def record_removed(self, key: bytes) -> None:
         self._removed.put(key)
 
     def classify(
         self,
-        contents: Sequence[bytes],
+        contents: Sequence[int],
         keys: Sequence[bytes],
         num_tokens: int,
         num_hit_tokens: int,
         block_size: int,
-        is_cached: Callable[[bytes], bool],
+        cached_keys: Container[bytes],
     ) -> dict[str, int]:
         """Missed tokens of one lookup by reason (reasons with no token are left out).
 
         `keys`/`contents` cover at least the blocks a hit could cover,
         (num_tokens - 1) // block_size; the first num_hit_tokens // block_size were hits."""
         max_blocks = (num_tokens - 1) // block_size
-        counts = {MissReason.BELOW_BLOCK_SIZE.value: num_tokens - max_blocks * block_size}
-        reason = MissReason.NEVER_SEEN
+        counts = {_BELOW: num_tokens - max_blocks * block_size}
+        reason = _NEVER_SEEN
+        shadow, removed = self._shadow, self._removed
         for i in range(num_hit_tokens // block_size, max_blocks):
             key = keys[i]
-            if not is_cached(key):  # else: cached, but behind a miss; the same reason
-                reason = self._reason(contents[i], key)
-            counts[reason.value] = counts.get(reason.value, 0) + block_size
+            if key not in cached_keys:  # else: cached, but behind a miss; the same reason
+                last_key = shadow.get(contents[i])
+                if last_key == key or key in removed:
+                    reason = _EVICTED
+                elif last_key is not None:
+                    reason = _ISOLATED
+                else:
+                    reason = _NEVER_SEEN
+            counts[reason] = counts.get(reason, 0) + block_size
         return counts
-
-    def _reason(self, content: bytes, key: bytes) -> MissReason:
-        last_key = self._shadow.get(content)
-        if key in self._removed or last_key == key:
-            return MissReason.EVICTED
-        if last_key is not None:
-            return MissReason.ISOLATED
-        return MissReason.NEVER_SEEN

@@ -1,26 +1,28 @@
 """Chained block hashes, cache salts and public prefixes.
 
-A full block has two hashes:
+A full block's pool key is a chained SHA-256:
 
-    content_i = SHA-256(content_{i-1}, token ids of block i)        the tokens, nothing else
-    key_i     = SHA-256(content_i, namespace_i)                     what the pool is keyed by
+    key_i = SHA-256(key_{i-1}, namespace_i, token ids of block i)
 
-`content_i` identifies the whole prefix up to and including block i (the chain), so equal
-keys mean equal KV.  `namespace_i` holds whatever else changes or separates the KV: the KV
-storage dtype always, and the request's cache salt for every block from the first one that is
-not *public* on.  Without public prefixes that is block 0, so two salts never share a block
-(vLLM's `cache_salt`); a block lying entirely inside a declared public prefix (a shared system
-prompt) is keyed without the salt, so every tenant shares it and nothing after it:
+so a key identifies the whole prefix up to and including the block: equal keys mean equal KV.
+`namespace_i` holds whatever else changes or separates the KV: the KV storage dtype always,
+and the request's cache salt for every block from the first one that is not *public* on.
+Without public prefixes that is block 0, so two salts never share a block (vLLM's
+`cache_salt`); a block lying entirely inside a declared public prefix (a shared system prompt)
+is keyed without the salt, so every tenant shares it and nothing after it:
 
     tokens:   | system prompt (public) ...      | tenant text ...               |
     blocks:   | b0 public | b1 public | b2 part | b3            | b4            |
     salted:   |  no       |  no       |  yes    |  yes          |  yes          |
 
 (b2 holds the end of the system prompt and the start of the tenant text: not public.)
+SHA-256, not Python's hash: a collision would hand one tenant's KV to another.
 
-The content chain without any namespace also feeds the miss-reason shadow index (a block
-missed under one salt or KV dtype but cached under another is "isolated").  SHA-256, not
-Python's hash: a collision would hand one tenant's KV to another.
+Each block also gets a *content* hash, the chain of its tokens alone (no namespace): the
+miss-reason shadow index uses it to see that a block missed under one salt or KV dtype was
+cached under another ("isolated").  It only feeds statistics, so it is Python's hash of a tuple
+of ints (deterministic across processes, unlike hashes of str or bytes): a collision could only
+misname a miss.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes 
     return digest.digest()
 
 
-def block_key(content: bytes, namespace: bytes) -> bytes:
-    """The pool key of a block: its content hash within a namespace (KV dtype [+ salt])."""
-    return hashlib.sha256(content + namespace).digest()
+def content_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The statistics-only hash of a block's tokens and everything before them (0: none)."""
+    return hash((parent, *token_ids))
 
 
 def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
@@ -84,7 +86,7 @@ class BlockHashes:
     namespace: bytes  # for public blocks (and every block of an unsalted request)
     salted: bytes  # for the rest
     public: PublicPrefixes
-    contents: list[bytes] = field(default_factory=list)
+    contents: list[int] = field(default_factory=list)  # content_hash of each block
     keys: list[bytes] = field(default_factory=list)
     num_public: int = 0  # leading blocks keyed without the salt
     _candidates: list[tuple[int, ...]] | None = None  # prefixes still matching; None: done
@@ -96,11 +98,17 @@ class BlockHashes:
     def extend(self, token_ids: Sequence[int]) -> None:
         """Hash every full block of `token_ids` not hashed yet."""
         size = self.block_size
-        for i in range(len(self.keys), len(token_ids) // size):
+        keys, contents = self.keys, self.contents
+        for i in range(len(keys), len(token_ids) // size):
             start, end = i * size, (i + 1) * size
-            content = hash_block(self.contents[-1] if i else None, token_ids[start:end])
-            self.contents.append(content)
-            self.keys.append(block_key(content, self._namespace_of(token_ids, start, end)))
+            tokens = token_ids[start:end]
+            namespace = (
+                self.salted
+                if self._candidates is None
+                else self._namespace_of(token_ids, start, end)
+            )
+            keys.append(hash_block(keys[-1] if i else None, tokens, namespace))
+            contents.append(hash((contents[-1] if i else 0, *tokens)))  # content_hash, inlined
 
     def _namespace_of(self, token_ids: Sequence[int], start: int, end: int) -> bytes:
         if self._candidates is not None:
