@@ -43,11 +43,6 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes 
     return digest.digest()
 
 
-def content_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """The statistics-only hash of a block's tokens and everything before them (0: none)."""
-    return hash((parent, *token_ids))
-
-
 def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
     """The namespace of a request's non-public blocks (length-prefixed: no salt can forge
     another dtype's namespace)."""
@@ -86,7 +81,7 @@ class BlockHashes:
     namespace: bytes  # for public blocks (and every block of an unsalted request)
     salted: bytes  # for the rest
     public: PublicPrefixes
-    contents: list[int] = field(default_factory=list)  # content_hash of each block
+    contents: list[int] = field(default_factory=list)  # content hash of each block
     keys: list[bytes] = field(default_factory=list)
     num_public: int = 0  # leading blocks keyed without the salt
     _candidates: list[tuple[int, ...]] | None = None  # prefixes still matching; None: done
@@ -108,7 +103,7 @@ class BlockHashes:
                 else self._namespace_of(token_ids, start, end)
             )
             keys.append(hash_block(keys[-1] if i else None, tokens, namespace))
-            contents.append(hash((contents[-1] if i else 0, *tokens)))  # content_hash, inlined
+            contents.append(hash((contents[-1] if i else 0, *tokens)))  # the content chain
 
     def _namespace_of(self, token_ids: Sequence[int], start: int, end: int) -> bytes:
         if self._candidates is not None:
