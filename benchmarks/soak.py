@@ -11,9 +11,11 @@ usage 0 and every block free (num_free_blocks == num_blocks of cache_config_info
 
 Growth is measured from the sample after warm-up (--warmup-fraction of N) to the end, and over
 the last half.  Any 5xx, error event, stream without [DONE] or connection error that is not
-one of our own drops counts as failed.  --server-env MALLOC_ARENA_MAX=2 (repeatable) starts
-the server with extra environment, to tell allocator fragmentation from a leak; --base-url
-with --pid soaks a server started elsewhere (e.g. under a profiler).
+one of our own drops counts as failed.  --server-env KEY=VALUE (repeatable) starts the server
+with extra environment (MALLOC_ARENA_MAX=2, ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: see the soak
+section of docs/benchmarks.md); --base-url with --pid soaks a server started elsewhere (e.g.
+under a profiler).  The server runs in its default dtype (--dtype auto: bfloat16 on a CPU
+with AMX/AVX512-BF16), unlike the other scripts' float32: a soak measures what users run.
 """
 
 from __future__ import annotations
@@ -152,7 +154,9 @@ async def drive(args: argparse.Namespace, base_url: str, pid: int) -> dict[str, 
             if done % args.sample_every == 0:
                 samples.append(sample(pid, done, started))
             if done % max(1, args.num_requests // 10) == 0:
-                print(f"{done}/{args.num_requests} {samples[-1]} {tally_line(tally)}", flush=True)
+                now = sample(pid, done, started)
+                print(f"{done}/{args.num_requests} {now.seconds} s: RSS {now.rss_mb} MB, "
+                      f"{tally_line(tally)}", flush=True)  # fmt: skip
 
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
@@ -283,7 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-fraction", type=float, default=0.1)
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--server-arg", action="append", default=[], help="extra serve flag(s)")
+    p.add_argument("--dtype", default="auto", help="the server's default (bfloat16 with AMX)")
+    p.add_argument("--server-arg", action="append", default=[], help="e.g. --server-arg=--seed=1")
     p.add_argument("--server-env", action="append", default=[], help="KEY=VALUE for the server")
     p.add_argument("--cpus", default=None, help="pin the server with taskset, e.g. 0,1")
     p.add_argument("--base-url", default=None, help="soak a running server (with --pid)")
@@ -302,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         for item in args.server_env:
             key, _, value = item.partition("=")
             os.environ[key] = value  # the server inherits this process's environment
-        flags = ["--kv-cache-memory", args.kv_cache_memory]
+        flags = ["--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory]
         flags += ["--max-model-len", str(args.max_model_len), *args.server_arg]
         with KVServer(flags, Path(args.log_dir), args.cpus) as server:
             assert server.server is not None
