@@ -72,6 +72,27 @@ def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 96, 32), (6, 2, 32, 16), (2, 2, 64, 4)],
+)
+def test_bfloat16_cache_with_bfloat16_queries_equals_reference(heads, kv_heads, dim, block_size):
+    """The engine's bf16 case: queries that are bf16 values (widened to float32) over a bf16
+    cache.  On a CPU with AVX512-BF16 (and dim % 32 == 0) the kernel then takes its bf16
+    dot-product path, exact in the products: it must equal the float32 reference as closely
+    as the float32 path does.  Tails shorter than 16 rows and 1-token sequences included."""
+    gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
+    seq_lens = [1, 2, block_size, block_size + 1, 17, 3 * block_size - 1, 77, 130]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = filled_cache("bfloat16", num_blocks, block_size, kv_heads, dim, gen)
+    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen).bfloat16().float()
+    scale = dim**-0.5
+    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 def test_threads_split_sequences_without_changing_results():
     gen = torch.Generator().manual_seed(7)
     seq_lens = [40 + 13 * i for i in range(12)]

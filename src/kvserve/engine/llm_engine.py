@@ -15,6 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+from torch.profiler import record_function
+
 from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import EngineConfig
@@ -327,7 +329,8 @@ class LLMEngine:
         detokenizer), only the user requests of this step are aborted (blocks freed) and
         StepFailedError names them; the engine can go on.  EngineCorruptedError when the
         block bookkeeping no longer adds up afterwards: the engine must not go on."""
-        scheduler_output = self.scheduler.schedule()
+        with record_function("kvserve::schedule"):
+            scheduler_output = self.scheduler.schedule()
         try:
             outputs = self._run_scheduled(scheduler_output)
         except Exception as exc:
@@ -352,18 +355,22 @@ class LLMEngine:
         return list(failed)
 
     def _run_scheduled(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
-        runner_output = self.runner.execute(scheduler_output)
-        updated = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids
-        )
-        touched: dict[str, None] = {}
-        for request in updated:
-            user_id = self._child_to_user.get(request.request_id)
-            if user_id is None:
-                continue
-            self._process_token(request, runner_output.logprobs.get(request.request_id))
-            touched[user_id] = None
-        return [self._make_output(user_id) for user_id in touched]
+        """Model, then bookkeeping and detokenization (each a profiler range, named for the
+        breakdown in benchmarks/side_by_side.py; free when no profiler runs)."""
+        with record_function("kvserve::model"):
+            runner_output = self.runner.execute(scheduler_output)
+        with record_function("kvserve::update_detokenize"):
+            updated = self.scheduler.update_from_output(
+                scheduler_output, runner_output.sampled_token_ids
+            )
+            touched: dict[str, None] = {}
+            for request in updated:
+                user_id = self._child_to_user.get(request.request_id)
+                if user_id is None:
+                    continue
+                self._process_token(request, runner_output.logprobs.get(request.request_id))
+                touched[user_id] = None
+            return [self._make_output(user_id) for user_id in touched]
 
     def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
         user = self._user_requests[self._child_to_user[request.request_id]]

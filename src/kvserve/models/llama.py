@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
@@ -138,7 +139,8 @@ class DecoderLayer(nn.Module):
         kernels: LayerKernels = EAGER,
     ) -> torch.Tensor:
         q, k, v = kernels.pre_attention(self, hidden, cos, sin)
-        attn = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        with record_function("kvserve::attention"):
+            attn = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return kernels.post_attention(self, hidden, attn)
 
 

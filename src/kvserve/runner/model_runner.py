@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
@@ -141,7 +142,8 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        result = sample(logits, self._sampling_batch(sampling), self._shared_generator)
+        with record_function("kvserve::sample"):
+            result = sample(logits, self._sampling_batch(sampling), self._shared_generator)
         token_ids = result.token_ids.tolist()
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)

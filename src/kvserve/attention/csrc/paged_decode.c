@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -59,7 +59,19 @@ static const float *load_row(const void *cache, int kind, int64_t row, int dim, 
         return (const float *)cache + row;
     case KV_BF16: {
         const uint16_t *src = (const uint16_t *)cache + row;
-        for (d = 0; d < dim; d++) {
+        d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= dim; d += 16) { /* bf16 -> float32 is a 16-bit shift, 16 lanes */
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+        }
+#elif defined(__AVX2__)
+        for (; d + 8 <= dim; d += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+            _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+#endif
+        for (; d < dim; d++) {
             uint32_t bits = (uint32_t)src[d] << 16;
             memcpy(&dst[d], &bits, sizeof(float));
         }
@@ -217,7 +229,7 @@ static inline void block_scores(const float *q, const float *const *rows, int co
 /* Ask for the next block's rows while this block is being used: the blocks of one sequence
  * are scattered, so the hardware prefetcher cannot guess the next one. */
 static inline void prefetch_rows(const char *base, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 2);
 }
 
 /* The rows of one block and KV head as float32: pointers into a float32 cache, converted
@@ -287,6 +299,165 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define HAVE_BF16_DOT 1
+/* A bfloat16 cache on a CPU with AVX512-BF16: q . k straight from the stored bf16 rows with
+ * vdpbf16ps (pairs of bf16 products summed in float32).  The queries are bf16 values widened
+ * to float32 by the caller, so narrowing them back is exact; sums stay float32.  Per block and
+ * KV head: 16 rows' dot products in 16 accumulators folded by one transposing reduction, an
+ * online softmax on 16 lanes at once, and p x V in float32. */
+#define BF16_CHUNKS_MAX 8 /* dim <= 256 */
+
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f),
+                                                    _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* r[o] = sum of a[o]'s 16 lanes, for 16 vectors at once: a transposing reduction (pairs of
+ * rows, then quads, then the four 128-bit quarters) instead of 16 horizontal sums. */
+static inline __m512 sum16x16(const __m512 *a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* 128-bit lane: [A02 B02 A13 B13], A, B = rows 2i, 2i+1 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++) { /* 128-bit lane: rows 4j..4j+3, one quarter's sum each */
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * j]), _mm512_castps_pd(t[2 * j + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * j]), _mm512_castps_pd(t[2 * j + 1]));
+        u[j] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
+                               _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
+                               _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88),
+                         _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+/* Lane o = q . row o for o < count (<= 16) rows of `chunks` x 32 bf16 values; 0 beyond. */
+static inline __m512 bf16_scores16(const __m512bh *q, const uint16_t *const *rows, int count,
+                                   int chunks) {
+    __m512 acc[16];
+    for (int o = 0; o < 16; o++) {
+        acc[o] = _mm512_setzero_ps();
+        if (o < count)
+            for (int c = 0; c < chunks; c++)
+                acc[o] = _mm512_dpbf16_ps(acc[o], q[c],
+                                          (__m512bh)_mm512_loadu_si512(rows[o] + 32 * c));
+    }
+    return sum16x16(acc);
+}
+
+/* True when every value of q is a bfloat16 widened to float32 (its low 16 bits are zero):
+ * then the bf16 dot products are exact, and the engine's bf16 model always passes such q. */
+static inline int is_bf16_exact(const float *q, int count) {
+    int d = 0;
+    __m512i low = _mm512_setzero_si512();
+    for (; d + 16 <= count; d += 16)
+        low = _mm512_or_si512(low, _mm512_and_si512(_mm512_loadu_si512(q + d),
+                                                    _mm512_set1_epi32(0xffff)));
+    uint32_t rest = 0;
+    for (; d < count; d++) {
+        uint32_t bits;
+        memcpy(&bits, q + d, sizeof bits);
+        rest |= bits & 0xffffu;
+    }
+    return _mm512_test_epi32_mask(low, low) == 0 && rest == 0;
+}
+
+static void attend_sequence_bf16(const float *q, float *out, const uint16_t *key,
+                                 const uint16_t *value, const int64_t *table, int64_t seq_len,
+                                 int num_kv_heads, int group, int dim, int block_size,
+                                 float sm_scale, float *work) {
+    const int num_heads = num_kv_heads * group, chunks = dim / 32;
+    const int64_t row_stride = (int64_t)num_kv_heads * dim, block_elems = block_size * row_stride;
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    float *run_max = work, *run_sum = run_max + num_heads, *vbuf = run_sum + num_heads;
+    __m512bh qbf[num_heads][BF16_CHUNKS_MAX];
+    for (int head = 0; head < num_heads; head++) {
+        for (int c = 0; c < chunks; c++) {
+            const float *src = q + (int64_t)head * dim + 32 * c;
+            qbf[head][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        }
+        run_max[head] = -INFINITY;
+        run_sum[head] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
+    const uint16_t *krows[32], *vrows[32];
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) {
+            prefetch_rows((const char *)(key + table[b + 1] * block_elems), block_elems * 2);
+            prefetch_rows((const char *)(value + table[b + 1] * block_elems), block_elems * 2);
+        }
+        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                                : block_size);
+        for (int h = 0; h < num_kv_heads; h++) {
+            int64_t first = table[b] * block_elems + (int64_t)h * dim;
+            for (int o = 0; o < count; o++) {
+                krows[o] = key + first + o * row_stride;
+                vrows[o] = value + first + o * row_stride;
+            }
+            for (int start = 0; start < count; start += 16) {
+                int n = count - start < 16 ? count - start : 16;
+                __mmask16 live = (__mmask16)((1u << n) - 1u);
+                for (int o = 0; o < n; o++) /* V rows of this span as float32, once per head */
+                    for (int c = 0; c < dim; c += 16) {
+                        __m512i w = _mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256((const __m256i *)(vrows[start + o] + c)));
+                        _mm512_storeu_ps(vbuf + o * dim + c,
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+                    }
+                for (int g = 0; g < group; g++) {
+                    int head = h * group + g;
+                    __m512 sc = _mm512_mul_ps(bf16_scores16(qbf[head], krows + start, n, chunks),
+                                              _mm512_set1_ps(sm_scale));
+                    sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), sc);
+                    float block_max = _mm512_reduce_max_ps(sc);
+                    float new_max = block_max > run_max[head] ? block_max : run_max[head];
+                    __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+                    float *acc = out + (int64_t)head * dim;
+                    if (new_max != run_max[head]) {
+                        float correction = expf(run_max[head] - new_max);
+                        run_sum[head] *= correction;
+                        __m512 cv = _mm512_set1_ps(correction);
+                        for (int c = 0; c < dim; c += 16)
+                            _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), cv));
+                        run_max[head] = new_max;
+                    }
+                    run_sum[head] += _mm512_reduce_add_ps(p);
+                    float pw[16];
+                    _mm512_storeu_ps(pw, p);
+                    for (int c = 0; c < dim; c += 16) {
+                        __m512 a = _mm512_loadu_ps(acc + c);
+                        for (int o = 0; o < n; o++)
+                            a = _mm512_fmadd_ps(_mm512_set1_ps(pw[o]),
+                                                _mm512_loadu_ps(vbuf + o * dim + c), a);
+                        _mm512_storeu_ps(acc + c, a);
+                    }
+                }
+            }
+        }
+    }
+    for (int head = 0; head < num_heads; head++) {
+        float inv = 1.0f / run_sum[head];
+        for (int d = 0; d < dim; d++) out[(int64_t)head * dim + d] *= inv;
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 static int element_bytes(int kind) {
     return kind == KV_F32 ? 4 : (kind == KV_BF16 || kind == KV_F16) ? 2 : 1;
 }
@@ -299,6 +470,10 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
     const int num_heads = num_kv_heads * group;
     const size_t work_floats = (size_t)2 * num_heads + (size_t)group * block_size
                                + (size_t)2 * block_size * dim;
+#if HAVE_BF16_DOT
+    const int bf16_fast = kind == KV_BF16 && dim % 32 == 0 && dim <= 32 * BF16_CHUNKS_MAX
+                          && block_size <= 32;
+#endif
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -311,6 +486,14 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
         for (int seq = 0; seq < num_seqs; seq++) {
             if (!work) continue;
             int64_t head0 = (int64_t)seq * num_heads * dim;
+#if HAVE_BF16_DOT
+            if (bf16_fast && is_bf16_exact(query + head0, num_heads * dim)) {
+                attend_sequence_bf16(query + head0, out + head0, key, value,
+                                     block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
+                                     num_kv_heads, group, dim, block_size, sm_scale, work);
+                continue;
+            }
+#endif
             attend_sequence(query + head0, out + head0, key, value, key_scale, value_scale, lut,
                             kind, element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
                             seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,

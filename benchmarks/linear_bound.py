@@ -1,0 +1,75 @@
+"""The matrix-product bound of W1 on this machine: the embedded model's linear layers alone
+(every projection of every layer, and the LM head for the rows that sample), at W1's shapes,
+with the weights, dtype and threads kvserve serves with (prepacked bfloat16 on a CPU with
+native bf16).  Nothing else runs: no attention, no element-wise work, no engine.
+
+    W1 prefill: num_prompts x 256 tokens in chunks of --max-num-batched-tokens rows
+    W1 decode:  128 steps of num_prompts rows (the whole batch decodes together)
+
+    .venv/bin/python benchmarks/linear_bound.py --num-prompts 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvserve import LLM
+from kvserve.kv.spec import cdiv
+
+INPUT_LEN, OUTPUT_LEN = 256, 128
+
+
+def projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return [getattr(layer, name) for layer in model.layers for name in names]
+
+
+@torch.inference_mode()
+def seconds_per_pass(model: torch.nn.Module, rows: int, sampled_rows: int, repeat: int) -> float:
+    """One forward's linear work on `rows` tokens, `sampled_rows` of them through the LM head."""
+    dtype = next(model.parameters()).dtype
+    layers = projections(model)
+    inputs = [torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers]
+    hidden = torch.randn(sampled_rows, model.config.hidden_size, dtype=dtype)
+    for _ in range(2):
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x)
+    started = time.perf_counter()
+    for _ in range(repeat):
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x)
+        model.compute_logits(hidden)
+    return (time.perf_counter() - started) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    llm = LLM(kv_cache_memory=64 * 2**20, max_model_len=1024, enforce_eager=True)
+    model = llm.engine.model
+    chunk = args.max_num_batched_tokens
+    num_chunks = cdiv(args.num_prompts * INPUT_LEN, chunk)
+    prefill = seconds_per_pass(model, chunk, chunk // INPUT_LEN, repeat=3)
+    decode = seconds_per_pass(model, args.num_prompts, args.num_prompts, repeat=10)
+    result = {
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prefill_chunk_seconds": prefill,
+        "prefill_tokens_per_second": chunk / prefill,
+        "decode_step_seconds": decode,
+        "w1_prefill_seconds": num_chunks * prefill,
+        "w1_decode_seconds": OUTPUT_LEN * decode,
+        "w1_seconds": num_chunks * prefill + OUTPUT_LEN * decode,
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

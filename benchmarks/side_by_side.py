@@ -1,0 +1,250 @@
+"""kvserve against another OpenAI-compatible server, one after the other, same model, same
+workloads, same client (`kvserve bench serve`), plus the hardware bound, in one run.
+
+    .venv/bin/python benchmarks/side_by_side.py --out results/sbs \\
+        --other-name vllm-cpu \\
+        --other-cmd "VLLM_CPU_OMP_THREADS_BIND=0-1 /tmp/vllm/bin/vllm serve /tmp/smollm2-hf \\
+                     --port {port} --block-size 32 --served-model-name {model}"
+
+1. The bound: the model's linear layers alone (every projection and the LM head of the
+   sampled rows, at W1's shapes: prefill chunks of --max-num-batched-tokens rows, then one
+   decode step per output token over the whole batch), timed in this process with the
+   threads kvserve uses.  kvserve's offline W1 and served W1 are reported as multiples of it.
+2. A profile of offline kvserve on a scaled-down W1 (torch.profiler with kvserve's ranges):
+   linear layers, attention, element-wise, sampling, scheduler and Python, and
+   detokenization; HTTP is the served W1 time beyond the offline one.
+3. Each server is started (kvserve with --kvserve-args; the other with --other-cmd, whose
+   {port} and {model} are filled in), W1 then W3 then W2 (Poisson at 70% of the other
+   server's W1 request rate) are run against it, and it is stopped.  The ratios printed are
+   kvserve over the other: output tok/s, duration, TTFT and TPOT p50/p99.
+
+Workloads (docs/benchmarks.md): W1 = N x 256 in / 128 out all at once; W3 = 64 x (1,024
+shared + 32) in / 32 out; W2 = W1's requests at a Poisson rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvserve.bench.config import BenchConfig, DatasetConfig
+from kvserve.bench.launcher import free_port, serve_command
+from kvserve.bench.report import to_json
+from kvserve.bench.runner import bench_serve, load_bench_tokenizer
+from kvserve.models.loader import EMBEDDED_NAME
+
+START_TIMEOUT_S = 600.0
+KEYS = [
+    ("output_throughput", "output tok/s", "higher"),
+    ("duration", "duration s", "lower"),
+    ("median_ttft_ms", "TTFT p50 ms", "lower"),
+    ("p99_ttft_ms", "TTFT p99 ms", "lower"),
+    ("median_tpot_ms", "TPOT p50 ms", "lower"),
+    ("p99_tpot_ms", "TPOT p99 ms", "lower"),
+]
+
+
+# ---------------------------------------------------------------------- servers
+class Server:
+    """A server command in a subprocess (its own process group), ready when /v1/models
+    answers; stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, command: str, port: int, log: Path) -> None:
+        self.name, self.command, self.port, self.log = name, command, port, log
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        print(f"$ {self.command}", flush=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                self.command, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"{self.name} not ready after {START_TIMEOUT_S:.0f} s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, 15)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+
+def kvserve_command(port: int, args: str) -> str:
+    return shlex.join(serve_command(port, ["--disable-uvicorn-access-log", *shlex.split(args)]))
+
+
+# ---------------------------------------------------------------------- workloads
+def w1(args: argparse.Namespace) -> DatasetConfig:
+    return DatasetConfig(num_prompts=args.num_prompts, random_input_len=256,
+                         random_output_len=128, seed=args.seed)  # fmt: skip
+
+
+def w3(args: argparse.Namespace) -> DatasetConfig:
+    return DatasetConfig(dataset_name="prefix", num_prompts=64, prefix_len=1024, suffix_len=32,
+                         output_len=32, seed=args.seed)  # fmt: skip
+
+
+def run_bench(server: Server, name: str, dataset: DatasetConfig, tokenizer: Any,
+              rate: float = float("inf")) -> dict:  # fmt: skip
+    config = BenchConfig(
+        base_url=server.base_url, model=EMBEDDED_NAME, ignore_eos=True, dataset=dataset,
+        label=f"{server.name} {name}", request_rate=rate, disable_tqdm=True,
+        percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,99",
+    )  # fmt: skip
+    doc = to_json(bench_serve(config, tokenizer=tokenizer))
+    print(
+        f"  {server.name} {name}: {doc['output_throughput']:.1f} out tok/s, "
+        f"{doc['duration']:.1f} s, TTFT p50 {doc['median_ttft_ms']:.0f} ms, "
+        f"TPOT p50 {doc['median_tpot_ms']:.0f} ms, failed {doc['failed']}",
+        flush=True,
+    )
+    return {k: v for k, v in doc.items() if k not in ("requests", "timeline")}
+
+
+def serve_and_bench(server: Server, args: argparse.Namespace, tokenizer: Any,
+                    w2_rate: float | None) -> dict[str, dict]:  # fmt: skip
+    """W1 and W3 (and W2 when its rate is known) against one server."""
+    results = {}
+    with server:
+        results["W1"] = run_bench(server, "W1", w1(args), tokenizer)
+        if "w3" in args.workloads:
+            results["W3"] = run_bench(server, "W3", w3(args), tokenizer)
+        if w2_rate is not None:
+            results["W2"] = run_bench(server, "W2", w1(args), tokenizer, w2_rate)
+    return results
+
+
+# ---------------------------------------------------------------------- the bound + profile
+def measure_bound(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of linear-layer work W1 needs, in a separate process (bound.py)."""
+    script = Path(__file__).with_name("linear_bound.py")
+    command = [sys.executable, str(script), "--num-prompts", str(args.num_prompts),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--json"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def profile_offline(args: argparse.Namespace) -> dict[str, Any]:
+    """Offline W1 timing and the profile breakdown, in a separate process (profile_offline.py)."""
+    script = Path(__file__).with_name("profile_offline.py")
+    command = [sys.executable, str(script), "--num-prompts", str(args.num_prompts),
+               "--profile-prompts", str(args.profile_prompts), "--json"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------- report
+def ratios(kv: dict[str, dict], other: dict[str, dict], other_name: str) -> list[str]:
+    lines = [f"| workload | metric | kvserve | {other_name} | kvserve advantage |",
+             "|---|---|---:|---:|---:|"]  # fmt: skip
+    for workload in kv:
+        if workload not in other:
+            continue
+        for key, label, better in KEYS:
+            a, b = kv[workload].get(key), other[workload].get(key)
+            if a is None or b is None or not a or not b:
+                continue
+            gain = a / b if better == "higher" else b / a
+            lines.append(f"| {workload} | {label} | {a:.1f} | {b:.1f} | {gain:.2f}x |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results/side_by_side"))
+    parser.add_argument("--kvserve-args", default="--kv-cache-memory 4GiB --max-model-len 2048")
+    parser.add_argument("--other-cmd", default=None, help="Shell command; {port} and {model}.")
+    parser.add_argument("--other-name", default="other")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--profile-prompts", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--workloads", default="w1,w3,w2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-profile", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    print("# bound (linear layers alone at W1's shapes)", flush=True)
+    report["bound"] = measure_bound(args)
+    print(json.dumps(report["bound"]), flush=True)
+    if not args.skip_profile:
+        print("# offline kvserve: W1 and the profile breakdown", flush=True)
+        report["offline"] = profile_offline(args)
+        print(json.dumps(report["offline"], indent=1), flush=True)
+    tokenizer = load_bench_tokenizer(BenchConfig())
+    other = {}
+    if args.other_cmd:
+        port = free_port()
+        command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
+        other = serve_and_bench(Server(args.other_name, command, port,
+                                       args.out / "other.log"), args, tokenizer, None)  # fmt: skip
+    port = free_port()
+    rate = 0.7 * other["W1"]["request_throughput"] if other else None
+    server = Server("kvserve", kvserve_command(port, args.kvserve_args), port,
+                    args.out / "kvserve.log")  # fmt: skip
+    kv = serve_and_bench(server, args, tokenizer, rate if "w2" in args.workloads else None)
+    if other and "w2" in args.workloads:
+        port = free_port()
+        command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
+        with Server(args.other_name, command, port, args.out / "other-w2.log") as again:
+            other["W2"] = run_bench(again, "W2", w1(args), tokenizer, rate)
+    report.update(kvserve=kv, other=other)
+    summarize(report, args)
+    (args.out / "side_by_side.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
+    bound = report["bound"]["w1_seconds"]
+    lines = [f"bound: W1's linear layers alone take {bound:.1f} s"]
+    if "offline" in report:
+        offline = report["offline"]["w1_seconds"]
+        lines.append(f"offline kvserve W1: {offline:.1f} s = {offline / bound:.2f}x the bound")
+        lines.append("profile breakdown (share of the offline profile's wall time):")
+        for name, share in report["offline"]["breakdown"].items():
+            lines.append(f"  {name:24s} {100 * share:5.1f}%")
+    served = report["kvserve"]["W1"]["duration"]
+    lines.append(f"served kvserve W1: {served:.1f} s = {served / bound:.2f}x the bound")
+    if "offline" in report:
+        http = max(0.0, served - report["offline"]["w1_seconds"]) / served
+        lines.append(
+            f"  HTTP, tokenizer threads and streaming (served - offline): {100 * http:.1f}%"
+        )
+    if report["other"]:
+        lines += ["", *ratios(report["kvserve"], report["other"], args.other_name)]
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    (args.out / "summary.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
