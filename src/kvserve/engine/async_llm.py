@@ -197,7 +197,10 @@ class AsyncLLM:
 
     def _close_engine(self) -> None:
         """Write the prefix cache store, stop the event publisher (after the requests were
-        failed, so nothing changes the cache any more)."""
+        failed, so nothing changes the cache any more).  Not after an engine failure: its
+        blocks are not to be trusted, and the process is about to exit anyway."""
+        if self._error is not None:
+            return
         try:
             self.engine.close()
         except Exception:  # noqa: BLE001 - going down: log, never mask the first error
