@@ -12,6 +12,7 @@ has "help"; other metadata keys:
     action       "append" for a repeatable flag (the field is a tuple)
     env          an environment variable that gives the default when set
     metavar      as argparse's
+    required     as argparse's (the flag must be given)
 
 It imports nothing from kvserve but config.py (itself a leaf), so any command may use it.
 """
@@ -75,7 +76,7 @@ def _argparse_kwargs(f: Field, hints: dict[str, Any]) -> dict[str, Any]:
         kwargs["type"] = str
     elif base in (int, float, str):
         kwargs["type"] = base
-    for key in ("choices", "metavar"):
+    for key in ("choices", "metavar", "required"):
         if key in meta:
             kwargs[key] = meta[key]
     return kwargs

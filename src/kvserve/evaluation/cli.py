@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvserve.errors import ParameterError
@@ -47,6 +47,22 @@ other than auto compares auto with that one dtype.
 A text to try, available offline: python -m kvserve.evaluation.sample_text ref.txt"""
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """`kvserve eval-kv`'s own flags besides EvalSettings (and the engine's)."""
+
+    text: str = field(
+        default="", metadata={"help": "UTF-8 text file to evaluate on.", "required": True}
+    )
+    kv_cache_dtypes: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Comma-separated KV dtypes, reference first; default {DEFAULT_KV_DTYPES}."
+        },
+    )
+    json: bool = field(default=False, metadata={"help": "Print the results as JSON."})
+
+
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "eval-kv",
@@ -55,14 +71,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(p)
-    p.add_argument("--text", type=Path, required=True, help="UTF-8 text file to evaluate on.")
-    p.add_argument(
-        "--kv-cache-dtypes",
-        default=None,
-        help=f"Comma-separated KV dtypes, reference first; default {DEFAULT_KV_DTYPES}.",
-    )
+    add_fields(p.add_argument_group("EvalOptions"), EvalOptions)
     add_fields(p.add_argument_group("EvalSettings"), EvalSettings)
-    p.add_argument("--json", action="store_true", help="Print the results as JSON.")
     p.set_defaults(func=run_eval)
 
 
@@ -84,17 +94,18 @@ def run_eval(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     kv_dtypes = kv_dtypes_from_args(args)
     check_kv_dtypes(kv_dtypes)
-    if not args.text.is_file():
-        raise ParameterError("--text", f"no such file {args.text}; make one with "
+    text_path = Path(from_args(EvalOptions, args).text)
+    if not text_path.is_file():
+        raise ParameterError("--text", f"no such file {text_path}; make one with "
                          "`python -m kvserve.evaluation.sample_text ref.txt`")  # fmt: skip
-    text = args.text.read_text(encoding="utf-8")
+    text = text_path.read_text(encoding="utf-8")
     loaded = load_model(config)
     token_ids = loaded.tokenizer.encode(text)
     results = evaluate_kv_dtypes(loaded, token_ids, kv_dtypes, settings)
     header = {
         "model": loaded.name,
         "model_dtype": platform.dtype_name(loaded.dtype),
-        "text": str(args.text),
+        "text": str(text_path),
         "text_tokens": len(token_ids),
         "settings": asdict(settings),
     }
