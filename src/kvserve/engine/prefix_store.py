@@ -40,7 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.kv.cache_manager import KVCacheManager, NewBlock
+from kvserve.kv.cache_log import NewBlock
+from kvserve.kv.cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvserve")
 

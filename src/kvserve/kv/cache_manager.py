@@ -22,9 +22,10 @@ a request's hashes are memoized from its first lookup until ``free``.
 
 The prefix cache as a store (the engine's side): ``record_prefix_query`` classifies every
 missed token (kv/miss_reasons.py); ``reset_prefix_cache`` drops every cached block no request
-holds; ``take_events`` drains what was stored and removed (when events are on);
-``take_new_blocks`` drains the blocks cached since the last call (when persistence is on) and
-``load_cold_blocks`` registers blocks read back from disk as free-but-cached.
+holds; ``take_events`` drains what was stored and removed (when events are on) and
+``take_new_blocks`` the blocks cached since the last call (when persistence is on), both kept
+by kv/cache_log.py; ``load_cold_blocks`` registers blocks read back from disk as
+free-but-cached.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -36,7 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kv.cache_log import CacheLog, NewBlock
+from kvserve.kv.events import KVEvent
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
 from kvserve.kv.prefix_cache import BlockHashes, PublicPrefixes, salted_namespace
 from kvserve.kv.spec import cdiv
@@ -56,17 +58,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found cached
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
-
-
-@dataclass(frozen=True)
-class NewBlock:
-    """A block cached since the last `take_new_blocks`, with what it takes to store it."""
-
-    block_id: int
-    key: bytes
-    content: int  # the statistics-only content hash (kv/prefix_cache.py)
-    parent_key: bytes | None
-    token_ids: list[int]
 
 
 class KVCacheManager:
@@ -93,8 +84,7 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks)
-        self._events: list[KVEvent] | None = [] if enable_events else None
-        self._new_blocks: list[NewBlock] | None = [] if track_new_blocks else None
+        self._log = CacheLog(block_size, enable_events, track_new_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -286,38 +276,13 @@ class KVCacheManager:
             self._misses.record_cached(
                 [hashes.contents[i] for i in stored], [hashes.keys[i] for i in stored]
             )
-        if stored and (self._events is not None or self._new_blocks is not None):
-            self._record_stored(stored, hashes, token_ids, table)
-
-    def _record_stored(
-        self, stored: list[int], hashes: BlockHashes, token_ids: Sequence[int], table: list[int]
-    ) -> None:
-        """Events (one BlockStored per run of consecutive blocks) and blocks to persist."""
-        size = self.block_size
-        for i in stored:
-            parent = hashes.keys[i - 1] if i else None
-            tokens = list(token_ids[i * size : (i + 1) * size])
-            if self._new_blocks is not None:
-                new = NewBlock(table[i], hashes.keys[i], hashes.contents[i], parent, tokens)
-                self._new_blocks.append(new)
-            if self._events is None:
-                continue
-            last = self._events[-1] if self._events else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
-                last.block_hashes.append(hashes.keys[i])
-                last.token_ids.extend(tokens)
-            else:
-                self._events.append(BlockStored([hashes.keys[i]], parent, list(tokens), size))
+        if stored and self._log.active:
+            self._log.stored(stored, hashes.keys, hashes.contents, token_ids, table)
 
     def _on_evict(self, key: bytes) -> None:
         """The pool evicted a cached block to make room."""
         self._misses.record_removed(key)
-        if self._events is not None:
-            last = self._events[-1] if self._events else None
-            if not isinstance(last, BlockRemoved):
-                last = BlockRemoved()
-                self._events.append(last)
-            last.block_hashes.append(key)
+        self._log.evicted(key)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no request holds (blocks in use stay cached); returns
@@ -325,28 +290,18 @@ class KVCacheManager:
         dropped = self.pool.drop_free_cached()
         for key in dropped:
             self._misses.record_removed(key)
-        if self._events is not None and dropped:
-            if self.pool.num_cached_blocks == 0:
-                self._events.append(AllBlocksCleared())
-            else:
-                self._events.append(BlockRemoved(dropped))
+        self._log.dropped(dropped, none_left=self.pool.num_cached_blocks == 0)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:
-        """The events since the last call (always empty when events are off)."""
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        """The KV events since the last call (always empty when events are off)."""
+        return self._log.take_events()
 
     def take_new_blocks(self) -> list[NewBlock]:
         """Blocks cached since the last call that still hold that content (with
         track_new_blocks; else always empty)."""
-        if not self._new_blocks:
-            return []
-        new, self._new_blocks = self._new_blocks, []
         blocks = self.pool.blocks
-        return [b for b in new if blocks[b.block_id].block_hash == b.key]
+        return [b for b in self._log.take_new_blocks() if blocks[b.block_id].block_hash == b.key]
 
     def load_cold_blocks(self, keys: Sequence[bytes], contents: Sequence[int]) -> list[int]:
         """Register blocks read back from a store as cached but free (the next to evict are
