@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`kvserve plan ... | head`): not an error
+        sys.stderr.close()
+        return 141
     except Exception:  # anything else is a bug: say so, with the traceback
         logging.getLogger("kvserve").exception(
             "kvserve %s: internal error (a bug; please report it with this traceback)",

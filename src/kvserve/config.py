@@ -34,8 +34,9 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a decoder-only transformer, independent of the checkpoint format."""
+class TransformerShape:
+    """The sizes every decoder-only transformer states, whatever its checkpoint format; the
+    engine's ModelConfig and the config.json reader (formats/hf_config.py) both extend it."""
 
     architecture: str
     vocab_size: int
@@ -45,6 +46,12 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelConfig(TransformerShape):
+    """What the engine needs of a model: its shape, RoPE, norms, special tokens."""
+
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None

@@ -21,7 +21,7 @@ LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer", "formats"
 SERVING = {"kv", "attention", "models", "runner", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "formats": {"errors"},
+    "formats": {"errors", "config"},
     "config": {"errors"},
     "flags": {"config", "errors"},
     "request": {"config", "errors"},

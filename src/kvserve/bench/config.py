@@ -99,13 +99,13 @@ class BenchConfig:
     goodput: tuple[str, ...] = _f((), "SLOs in ms, e.g. ttft:500 tpot:50 e2el:2000.", nargs="+")
     save_result: bool = _f(False, "Write the JSON result (summary, timeline, requests).")
     result_dir: str | None = _f(None, "Directory of the JSON result (default: current).")
+    scrape_interval: float = _f(0.5, "Seconds between /metrics scrapes.")
     result_filename: str | None = _f(None, "JSON file name (default: derived from the run).")
     plot: str | None = _f(
         None,
         "Draw KV usage, queues, preemptions, prefix hits and request "
         "throughput over time into this PNG.",
     )
-    scrape_interval: float = _f(0.5, "Seconds between /metrics scrapes.")
     label: str | None = _f(None, "A name for the run in the JSON and the plot title.")
     disable_tqdm: bool = _f(False, "No progress bar.")
 

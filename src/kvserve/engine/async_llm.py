@@ -274,21 +274,15 @@ class AsyncLLM:
                 future.set_exception(EngineDeadError("the engine is not running"))
 
 
+@dataclass(eq=False)
 class RequestStream:
     """Async iterator over one request's cumulative outputs; closing it early aborts."""
 
-    def __init__(
-        self,
-        owner: AsyncLLM,
-        request_id: str,
-        pending: asyncio.Queue[RequestOutput | BaseException],
-        on_output: Callable[[RequestOutput], None] | None,
-    ) -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._pending = pending
-        self._on_output = on_output
-        self._done = False
+    _owner: AsyncLLM
+    request_id: str
+    _pending: asyncio.Queue[RequestOutput | BaseException]
+    _on_output: Callable[[RequestOutput], None] | None
+    _done: bool = False
 
     def __aiter__(self) -> RequestStream:
         return self

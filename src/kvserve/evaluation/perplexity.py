@@ -72,23 +72,29 @@ def perplexity(
     if len(tables) * len(tables[0]) > cache.num_blocks:
         raise ValueError(f"the cache holds {cache.num_blocks} blocks; perplexity needs more")
     nll_sum, count = 0.0, 0
+    run = _PagedRun(model, cache, chunk_size, device)
     for first in range(0, len(windows), group_size):
-        group = windows[first : first + group_size]
-        group_nll, group_count = _group_nll(model, cache, group, tables, chunk_size, device)
+        group_nll, group_count = _group_nll(run, windows[first : first + group_size], tables)
         nll_sum += group_nll
         count += group_count
     return PerplexityResult(nll_sum, count)
 
 
+@dataclass(frozen=True)
+class _PagedRun:
+    """What every group of windows runs through."""
+
+    model: torch.nn.Module
+    cache: PagedCache
+    chunk_size: int
+    device: torch.device
+
+
 def _group_nll(
-    model: torch.nn.Module,
-    cache: PagedCache,
-    windows: list[list[int]],
-    tables: list[list[int]],
-    chunk_size: int,
-    device: torch.device,
+    run: _PagedRun, windows: list[list[int]], tables: list[list[int]]
 ) -> tuple[float, int]:
     """Prefill windows side by side, chunk by chunk; sum the NLL of each next token."""
+    model, cache, chunk_size, device = run.model, run.cache, run.chunk_size, run.device
     nll_sum, count = 0.0, 0
     for start in range(0, max(len(w) for w in windows), chunk_size):
         live = [i for i, w in enumerate(windows) if start < len(w)]

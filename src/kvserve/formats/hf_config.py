@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.config import TransformerShape
 from kvserve.formats import FormatError
 
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
@@ -32,18 +33,11 @@ _MISSING = object()
 
 
 @dataclass(frozen=True)
-class HFConfig:
-    """The validated common fields of a config.json (of its text model, when multimodal)."""
+class HFConfig(TransformerShape):
+    """The validated common fields of a config.json (of its text model, when multimodal);
+    `architecture` is the first of `architectures`, else model_type, as written."""
 
-    architecture: str  # the first of `architectures`, else model_type, as written
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None

@@ -38,32 +38,30 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, **rest: An
     }  # fmt: skip
 
 
+# The plain Llama presets, one row each, from their repositories' config.json: name (whose
+# title case is the title), Hugging Face id, hidden_size, intermediate_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads (GQA when fewer than heads),
+# vocab_size, max_position_embeddings, torch_dtype (bf16: bfloat16, f16: float16).
+_DTYPES = {"bf16": "bfloat16", "f16": "float16"}
+_LLAMA_ROWS = (
+    ("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 11008, 32, 32, 32, 32000, 4096, "f16"),
+    ("llama-2-13b", "meta-llama/Llama-2-13b-hf", 5120, 13824, 40, 40, 40, 32000, 4096, "f16"),
+    ("llama-2-70b", "meta-llama/Llama-2-70b-hf", 8192, 28672, 80, 64, 8, 32000, 4096, "f16"),
+    ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, 131072, "bf16"),
+    ("llama-3.1-70b", "meta-llama/Llama-3.1-70B", 8192, 28672, 80, 64, 8, 128256, 131072, "bf16"),
+    ("llama-3.1-405b", "meta-llama/Llama-3.1-405B", 16384, 53248, 126, 128, 8, 128256, 131072, "bf16"),  # noqa: E501
+)  # fmt: skip
+
+
+def _llama_preset(name: str, hf_id: str, *sizes: int, torch_dtype: str) -> Preset:
+    *shape, vocab, context = sizes
+    title = name.replace("-", " ").title()  # llama-3.1-8b -> Llama 3.1 8B
+    return _preset(name, title, hf_id, **_llama(*shape, vocab_size=vocab,
+                   max_position_embeddings=context, torch_dtype=torch_dtype))  # fmt: skip
+
+
 PRESETS: tuple[Preset, ...] = (
-    # meta-llama/Llama-2-7b-hf config.json: hidden_size, intermediate_size, num_hidden_layers,
-    # num_attention_heads, num_key_value_heads, vocab_size, max_position_embeddings, torch_dtype
-    _preset("llama-2-7b", "Llama 2 7B", "meta-llama/Llama-2-7b-hf",
-            **_llama(4096, 11008, 32, 32, 32, vocab_size=32000,
-                     max_position_embeddings=4096, torch_dtype="float16")),
-    # meta-llama/Llama-2-13b-hf config.json (same fields)
-    _preset("llama-2-13b", "Llama 2 13B", "meta-llama/Llama-2-13b-hf",
-            **_llama(5120, 13824, 40, 40, 40, vocab_size=32000,
-                     max_position_embeddings=4096, torch_dtype="float16")),
-    # meta-llama/Llama-2-70b-hf config.json (same fields; 8 KV heads: GQA)
-    _preset("llama-2-70b", "Llama 2 70B", "meta-llama/Llama-2-70b-hf",
-            **_llama(8192, 28672, 80, 64, 8, vocab_size=32000,
-                     max_position_embeddings=4096, torch_dtype="float16")),
-    # meta-llama/Llama-3.1-8B config.json (same fields)
-    _preset("llama-3.1-8b", "Llama 3.1 8B", "meta-llama/Llama-3.1-8B",
-            **_llama(4096, 14336, 32, 32, 8, vocab_size=128256,
-                     max_position_embeddings=131072, torch_dtype="bfloat16")),
-    # meta-llama/Llama-3.1-70B config.json (same fields)
-    _preset("llama-3.1-70b", "Llama 3.1 70B", "meta-llama/Llama-3.1-70B",
-            **_llama(8192, 28672, 80, 64, 8, vocab_size=128256,
-                     max_position_embeddings=131072, torch_dtype="bfloat16")),
-    # meta-llama/Llama-3.1-405B config.json (same fields)
-    _preset("llama-3.1-405b", "Llama 3.1 405B", "meta-llama/Llama-3.1-405B",
-            **_llama(16384, 53248, 126, 128, 8, vocab_size=128256,
-                     max_position_embeddings=131072, torch_dtype="bfloat16")),
+    *(_llama_preset(*row[:-1], torch_dtype=_DTYPES[row[-1]]) for row in _LLAMA_ROWS),
     # mistralai/Mistral-7B-v0.1 config.json: the Llama fields plus sliding_window (every layer)
     _preset("mistral-7b", "Mistral 7B v0.1", "mistralai/Mistral-7B-v0.1",
             **_llama(4096, 14336, 32, 32, 8, vocab_size=32000, max_position_embeddings=32768,

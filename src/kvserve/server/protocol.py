@@ -95,21 +95,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class ChoiceEnd(BaseModel):
+    """How a choice ended, in every response shape: OpenAI's reason and vLLM's stop_reason
+    (the stop string or token id that matched)."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class ResponseHead(BaseModel):
+    """The fields every completion response and chunk starts with."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionChoice(ChoiceEnd):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(ResponseHead):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -131,23 +142,6 @@ class AssistantMessage(BaseModel):
     content: str = ""
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
 class DeltaMessage(BaseModel):
     """A streamed message fragment; absent fields are left out, as OpenAI sends them."""
 
@@ -159,21 +153,26 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
+class ChatChoiceEnd(ChoiceEnd):
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatChoice(ChatChoiceEnd):
+    message: AssistantMessage
+
+
+class ChatStreamChoice(ChatChoiceEnd):
+    delta: DeltaMessage
+
+
+class ChatCompletionResponse(ResponseHead):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -226,3 +226,10 @@ async def collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+@dataclass
+class Handler:
+    """What every endpoint handler holds: the serving context."""
+
+    ctx: ServingContext

@@ -25,6 +25,7 @@ from kvserve.server.protocol import (
     TopLogprob,
 )
 from kvserve.server.serving import (
+    Handler,
     ServingContext,
     cache_salt_of,
     collect_final,
@@ -79,10 +80,7 @@ async def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage]) -> li
         raise APIError(f"messages: the chat template rejected them: {reason}", "messages") from None
 
 
-class ChatHandler:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
-
+class ChatHandler(Handler):
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         ctx = self.ctx
         ctx.check_model(body.model)

@@ -22,7 +22,7 @@ from kvserve.server.protocol import (
     CompletionResponse,
 )
 from kvserve.server.serving import (
-    ServingContext,
+    Handler,
     cache_salt_of,
     collect_all,
     new_id,
@@ -47,10 +47,7 @@ class _Prompt:
     token_ids: list[int]
 
 
-class CompletionsHandler:
-    def __init__(self, ctx: ServingContext) -> None:
-        self.ctx = ctx
-
+class CompletionsHandler(Handler):
     async def create(self, body: CompletionRequest, raw: Request) -> Response:
         ctx = self.ctx
         ctx.check_model(body.model)
