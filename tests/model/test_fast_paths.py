@@ -72,3 +72,19 @@ def test_argmax_is_the_first_maximum():
     assert _argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 2]
     wide = torch.randn(64, 49152)
     assert torch.equal(_argmax(wide), wide.argmax(dim=-1))
+
+
+def test_packed_rows_are_bucketed_and_the_padding_never_shows():
+    from kvserve.models.packed_linear import padded_rows
+
+    assert [padded_rows(n) for n in (1, 16, 17, 256, 257, 2048, 2049)] == [
+        16, 16, 32, 256, 320, 2048, 2304]  # fmt: skip
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("no oneDNN")
+    weight = torch.randn(40, 64, dtype=torch.bfloat16)
+    layer = PackedLinear(weight, None)
+    for rows in (1, 5, 17, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        got = layer(x)
+        assert got.shape == (rows, 40)
+        torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=2e-2, rtol=1e-2)

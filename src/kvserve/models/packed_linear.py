@@ -30,13 +30,30 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def padded_rows(num_rows: int) -> int:
+    """The row count oneDNN is asked for: rounded up to a multiple of 16 (to 256 rows), of 64
+    (to 2,048) or of 256.  oneDNN compiles and caches one primitive per shape; a step's token
+    count takes any value, so without buckets the cache fills to its 1,024 primitives and the
+    process's memory grows for hours (the soak in docs/benchmarks.md).  With them the model's
+    five weight shapes need ~300 primitives; the padding costs at most 1/16 more rows."""
+    step = 16 if num_rows <= 256 else 64 if num_rows <= 2048 else 256
+    return -(-num_rows // step) * step
+
+
 @torch.library.custom_op("kvserve::packed_linear", mutates_args=())
 def packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """x [..., in] -> [..., out] through oneDNN with a prepacked weight.  A custom op, so that
-    torch.compile calls it as one opaque kernel (inductor cannot lower the raw oneDNN op)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """x [..., in] -> [..., out] through oneDNN with a prepacked weight, on a bucketed row
+    count.  A custom op, so that torch.compile calls it as one opaque kernel (inductor cannot
+    lower the raw oneDNN op)."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    padded = padded_rows(num_rows)
+    if padded != num_rows:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - num_rows))
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+    return out[:num_rows].reshape(*x.shape[:-1], out_features)
 
 
 @packed_linear.register_fake
