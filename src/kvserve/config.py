@@ -359,8 +359,8 @@ class RequestLimits:
         if num_prompts * n > self.max_sequences_per_request:
             raise ParameterError(
                 "n",
-                f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; the limit is "
-                f"{self.max_sequences_per_request} (--max-sequences-per-request)",
+                f"is too large: {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                f"the limit is {self.max_sequences_per_request} (--max-sequences-per-request)",
             )
 
     def check_stop(self, stop: tuple[str, ...] | list[str]) -> None:
