@@ -200,7 +200,7 @@ def main() -> int:
         print("# offline kvserve: W1 and the profile breakdown", flush=True)
         report["offline"] = profile_offline(args)
         print(json.dumps(report["offline"], indent=1), flush=True)
-    tokenizer = load_bench_tokenizer(BenchConfig())
+    tokenizer = load_bench_tokenizer(None, EMBEDDED_NAME)
     other = {}
     if args.other_cmd:
         port = free_port()
