@@ -144,22 +144,25 @@ def serve_and_bench(server: Server, args: argparse.Namespace, tokenizer: Any,
 
 
 # ---------------------------------------------------------------------- the bound + profile
-def measure_bound(args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of linear-layer work W1 needs, in a separate process (bound.py)."""
-    script = Path(__file__).with_name("linear_bound.py")
-    command = [sys.executable, str(script), "--num-prompts", str(args.num_prompts),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--json"]  # fmt: skip
+def run_json_script(name: str, *flags: str) -> dict[str, Any]:
+    """Run benchmarks/NAME with --json in a separate process (its own torch threads and
+    memory) and return the JSON it prints last."""
+    command = [sys.executable, str(Path(__file__).with_name(name)), *flags, "--json"]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_bound(args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds of linear-layer work W1 needs (linear_bound.py)."""
+    batched = str(args.max_num_batched_tokens)
+    return run_json_script("linear_bound.py", "--num-prompts", str(args.num_prompts),
+                           "--max-num-batched-tokens", batched)  # fmt: skip
 
 
 def profile_offline(args: argparse.Namespace) -> dict[str, Any]:
-    """Offline W1 timing and the profile breakdown, in a separate process (profile_offline.py)."""
-    script = Path(__file__).with_name("profile_offline.py")
-    command = [sys.executable, str(script), "--num-prompts", str(args.num_prompts),
-               "--profile-prompts", str(args.profile_prompts), "--json"]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Offline W1 timing and the profile breakdown (profile_offline.py)."""
+    return run_json_script("profile_offline.py", "--num-prompts", str(args.num_prompts),
+                           "--profile-prompts", str(args.profile_prompts))  # fmt: skip
 
 
 # ---------------------------------------------------------------------- report

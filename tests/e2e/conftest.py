@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 from e2e_server import ServerProcess, launch_server
 
@@ -25,3 +26,12 @@ def server_factory(
     yield launch
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[httpx.Client]:
+    """An HTTP client on the module's `server` fixture (a module defines `server`), with the
+    module's HTTP_TIMEOUT_S (default 120 s)."""
+    timeout = getattr(request.module, "HTTP_TIMEOUT_S", 120.0)
+    with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
+        yield client

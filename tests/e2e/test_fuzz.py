@@ -39,6 +39,7 @@ from kvserve.server.protocol import (
 
 SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--dtype", "float32")
 TIMEOUT_S = 30.0  # far above any request here; reaching it means a hang
+HTTP_TIMEOUT_S = TIMEOUT_S  # the `http` fixture's (tests/e2e/conftest.py)
 NAN, INF = math.nan, math.inf
 
 SCHEMAS: dict[str, type[BaseModel]] = {
@@ -390,11 +391,6 @@ def server(server_factory) -> ServerProcess:
     server.wait_healthy()
     return server
 
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.base_url, timeout=TIMEOUT_S) as client:
-        yield client
 
 
 FUZZ_SETTINGS = settings(

@@ -32,11 +32,6 @@ def server(server_factory) -> ServerProcess:
     return server
 
 
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
-
 
 def assert_serves_normally(http: httpx.Client) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
