@@ -88,3 +88,23 @@ def test_packed_rows_are_bucketed_and_the_padding_never_shows():
         got = layer(x)
         assert got.shape == (rows, 40)
         torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_compile_warm_up_never_touches_blocks_loaded_from_the_store(tiny_dir, tmp_path):
+    """The warm-up pass writes dummy K/V into the first blocks; the prefix cache store is
+    loaded after it, so a restarted, compiled engine serves its cold blocks intact: the same
+    greedy tokens as computing the prompt afresh."""
+    prompt = [(i * 7919) % 40000 + 7 for i in range(70)]  # 4 full blocks + 6 tokens
+
+    def make() -> LLM:
+        return LLM(tiny_dir, dtype="float32", kv_cache_memory=4 * 2**20, max_model_len=256,
+                   enforce_eager=False, prefix_cache_dir=str(tmp_path))  # fmt: skip
+
+    first = make()
+    fresh = first.generate([prompt], GREEDY)[0]
+    assert fresh.num_cached_tokens == 0
+    first.engine.close()  # writes the store
+    restarted = make()
+    again = restarted.generate([prompt], GREEDY)[0]
+    assert again.num_cached_tokens == 64  # loaded from disk, after the warm-up
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids

@@ -115,7 +115,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.sizing = self._size_kv_cache()
         self._build_runtime()
-        self._compile_model()
+        self._compile_model()  # its warm-up writes into the first blocks: before any load
+        self._open_prefix_store()
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
         self._log_startup(time.monotonic() - started)
@@ -183,14 +184,6 @@ class LLMEngine:
             enable_events=self.services.wants_events,
             track_new_blocks=self.services.wants_new_blocks,
         )  # fmt: skip
-        if cache.enable_prefix_caching:
-            mc = self.model_config
-            shape = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}"
-            print_ = fingerprint(
-                self.model_path, platform.dtype_name(self.dtype), spec.dtype,
-                spec.block_size, shape, self.tokenizer,
-            )  # fmt: skip
-            self.services.open_store(print_, self.kv_caches, self.cache_manager)
         sched = self.config.scheduler
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
@@ -200,6 +193,18 @@ class LLMEngine:
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
             seed=self.config.load.seed,
         )  # fmt: skip
+
+    def _open_prefix_store(self) -> None:
+        """Load the blocks of --prefix-cache-dir whose fingerprint matches (cold cached)."""
+        if not self.config.cache.enable_prefix_caching:
+            return
+        spec, mc = self.sizing.spec, self.model_config
+        shape = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}"
+        print_ = fingerprint(
+            self.model_path, platform.dtype_name(self.dtype), spec.dtype,
+            spec.block_size, shape, self.tokenizer,
+        )  # fmt: skip
+        self.services.open_store(print_, self.kv_caches, self.cache_manager)
 
     def _compile_model(self) -> None:
         """torch.compile the layers unless --enforce-eager; a compiler that fails (no C++
