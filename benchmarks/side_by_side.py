@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvserve.bench.config import BenchConfig, DatasetConfig
-from kvserve.bench.launcher import free_port, serve_command
+from kvserve.bench.launcher import ServerProcess, free_port, serve_command, start_server
 from kvserve.bench.report import to_json
 from kvserve.bench.runner import bench_serve, load_bench_tokenizer
 from kvserve.models.loader import EMBEDDED_NAME
@@ -55,12 +51,12 @@ KEYS = [
 
 # ---------------------------------------------------------------------- servers
 class Server:
-    """A server command in a subprocess (its own process group), ready when /v1/models
-    answers; stopped with SIGTERM then SIGKILL."""
+    """A server command line (run by bash, so it may set variables), started on entry, ready
+    once /health answers, stopped on exit: kvserve.bench.launcher does all three."""
 
-    def __init__(self, name: str, command: str, port: int, log: Path) -> None:
-        self.name, self.command, self.port, self.log = name, command, port, log
-        self.process: subprocess.Popen | None = None
+    def __init__(self, name: str, command: str, port: int, log_dir: Path) -> None:
+        self.name, self.command, self.port, self.log_dir = name, command, port, log_dir
+        self.process: ServerProcess | None = None
 
     @property
     def base_url(self) -> str:
@@ -68,34 +64,17 @@ class Server:
 
     def __enter__(self) -> Server:
         print(f"$ {self.command}", flush=True)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                self.command, shell=True, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"{self.name} not ready after {START_TIMEOUT_S:.0f} s")
+        self.process = start_server(["bash", "-c", self.command], self.port, self.log_dir)
+        try:
+            self.process.wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, 15)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
+        if self.process is not None:
+            self.process.stop()
 
 
 def kvserve_command(port: int, args: str) -> str:
@@ -208,17 +187,16 @@ def main() -> int:
     if args.other_cmd:
         port = free_port()
         command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-        other = serve_and_bench(Server(args.other_name, command, port,
-                                       args.out / "other.log"), args, tokenizer, None)  # fmt: skip
+        other = serve_and_bench(Server(args.other_name, command, port, args.out),
+                                args, tokenizer, None)  # fmt: skip
     port = free_port()
     rate = 0.7 * other["W1"]["request_throughput"] if other else None
-    server = Server("kvserve", kvserve_command(port, args.kvserve_args), port,
-                    args.out / "kvserve.log")  # fmt: skip
+    server = Server("kvserve", kvserve_command(port, args.kvserve_args), port, args.out)
     kv = serve_and_bench(server, args, tokenizer, rate if "w2" in args.workloads else None)
     if other and "w2" in args.workloads:
         port = free_port()
         command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-        with Server(args.other_name, command, port, args.out / "other-w2.log") as again:
+        with Server(args.other_name, command, port, args.out) as again:
             other["W2"] = run_bench(again, "W2", w1(args), tokenizer, rate)
     report.update(kvserve=kv, other=other)
     summarize(report, args)

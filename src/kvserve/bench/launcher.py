@@ -4,6 +4,7 @@ SIGTERM (then SIGKILL if it does not exit in time)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -59,15 +60,23 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log()[-4000:]}")
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM, then SIGKILL if it does not exit in time; the exit code."""
+        """SIGTERM, then SIGKILL if it does not exit in time, to the server's whole process
+        group (a server may have children: compile workers, another engine's processes, the
+        shell of a command line); the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal_group(signal.SIGKILL)
                 self.process.wait()
         return self.process.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass  # it exited meanwhile
 
 
 def start_server(
@@ -78,7 +87,9 @@ def start_server(
     log_path = log_dir / f"server-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     return ServerProcess(process, port, log_path)
 
 
