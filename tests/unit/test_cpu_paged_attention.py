@@ -72,25 +72,55 @@ def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 96, 32), (6, 2, 32, 16), (2, 2, 64, 4)],
-)
-def test_bfloat16_cache_with_bfloat16_queries_equals_reference(heads, kv_heads, dim, block_size):
-    """The engine's bf16 case: queries that are bf16 values (widened to float32) over a bf16
-    cache.  On a CPU with AVX512-BF16 (and dim % 32 == 0) the kernel then takes its bf16
-    dot-product path, exact in the products: it must equal the float32 reference as closely
-    as the float32 path does.  Tails shorter than 16 rows and 1-token sequences included."""
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 96, 32), (6, 2, 32, 16), (2, 2, 64, 4),
+     (16, 2, 128, 16), (24, 3, 32, 32)],
+)  # fmt: skip
+def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_size):
+    """The engine's bf16 case: queries that are bf16 values (widened to float32) over a bf16 or
+    8-bit cache.  On a CPU with AVX512-BF16 (head size 32, 64 or 128) the kernel then takes
+    its fast path: bf16 dot products (8-bit codes widened to bf16 exactly, times their
+    scales), p x V in float32 with the heads of a group sharing each converted V chunk.  It
+    must equal the float32 reference as closely as the float32 path does.  Group sizes 1-8
+    (several passes over V when the accumulators do not fit the registers), tails shorter than
+    16 rows and 1-token sequences included."""
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
     seq_lens = [1, 2, block_size, block_size + 1, 17, 3 * block_size - 1, 77, 130]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    cache = filled_cache("bfloat16", num_blocks, block_size, kv_heads, dim, gen)
+    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
     md = decode_metadata(seq_lens, num_blocks, block_size, gen)
     query = torch.randn(len(seq_lens), heads, dim, generator=gen).bfloat16().float()
     scale = dim**-0.5
     expected = TorchRefBackend()._decode(query, cache, md, scale)
     got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, scale)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_decodes_exactly(kv_dtype):
+    """A 1-token sequence's output is its V row: 4 sequences whose V rows hold all 256 byte
+    codes give back each code's value as torch decodes it (subnormals, -0 and the largest
+    values included; the codes for inf/NaN, never written, are left out)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(4, 1, 1, 64)
+    cache = LayerKVCache(torch.zeros_like(codes), codes.clone(), None, None, kv_dtype)
+    if kv_dtype in quant.SCALED_DTYPES:
+        cache.key_scale = torch.ones(4, 1, 1)
+        cache.value_scale = torch.full((4, 1, 1), 0.5)
+    md = AttentionMetadata(
+        torch.zeros(0, dtype=torch.long),
+        4,
+        torch.arange(4)[:, None],
+        torch.ones(4, dtype=torch.long),
+        (),
+    )
+    query = torch.randn(4, 2, 64).bfloat16().float()
+    got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, 0.125)
+    scale = 0.5 if kv_dtype in quant.SCALED_DTYPES else 1.0
+    expected = codes.view(quant.FP8_TORCH_DTYPES[kv_dtype]).float().view(4, 1, 64) * scale
+    finite = expected.isfinite().expand(4, 2, 64)
+    assert torch.equal(got[finite], expected.expand(4, 2, 64)[finite])
 
 
 def test_threads_split_sequences_without_changing_results():

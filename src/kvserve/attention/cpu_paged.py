@@ -27,8 +27,10 @@ _KIND_BY_DTYPE = {
     torch.bfloat16: 1,
     torch.float16: 2,
     torch.int8: 3,
-    torch.uint8: 4,  # fp8 stored as bytes, decoded through a 256-entry table
 }
+# fp8 is stored as bytes: the kernel decodes it through a 256-entry table, or, on its AVX512
+# path, with shifts (e4m3 and e5m2 differ in their exponent width).
+_KIND_BY_FP8 = {"fp8_e4m3": 5, "fp8_e5m2": 6}
 
 
 def fp8_lookup_table(kv_dtype: str) -> torch.Tensor:
@@ -64,10 +66,16 @@ class CpuPagedBackend(TorchRefBackend):
         failed = self._kernel(
             _ptr(q), _ptr(out), _ptr(kv_cache.key), _ptr(kv_cache.value),
             _ptr(kv_cache.key_scale), _ptr(kv_cache.value_scale), _ptr(lut),
-            _KIND_BY_DTYPE[kv_cache.key.dtype], _ptr(tables), _ptr(seq_lens),
+            self._kind(kv_cache), _ptr(tables), _ptr(seq_lens),
             num_seqs, tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
             block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("paged decode attention: out of memory for its score buffer")
         return out.to(query.dtype)
+
+    @staticmethod
+    def _kind(kv_cache: LayerKVCache) -> int:
+        if kv_cache.key.dtype == torch.uint8:
+            return _KIND_BY_FP8[kv_cache.kv_dtype]
+        return _KIND_BY_DTYPE[kv_cache.key.dtype]

@@ -27,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum kv_kind { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_LUT8 = 4 };
+enum kv_kind { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_LUT8 = 4, KV_E4M3 = 5, KV_E5M2 = 6 };
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -92,7 +92,7 @@ static const float *load_row(const void *cache, int kind, int64_t row, int dim, 
         for (d = 0; d < dim; d++) dst[d] = (float)src[d] * scale;
         return dst;
     }
-    default: { /* KV_LUT8 */
+    default: { /* KV_LUT8, KV_E4M3, KV_E5M2: through the 256-entry table */
         const uint8_t *src = (const uint8_t *)cache + row;
         for (d = 0; d < dim; d++) dst[d] = lut[src[d]] * scale;
         return dst;
@@ -228,8 +228,12 @@ static inline void block_scores(const float *q, const float *const *rows, int co
 
 /* Ask for the next block's rows while this block is being used: the blocks of one sequence
  * are scattered, so the hardware prefetcher cannot guess the next one. */
+#ifndef PREFETCH_STEP
+#define PREFETCH_STEP 64
+#endif
 static inline void prefetch_rows(const char *base, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(base + off, 0, 2);
+    if (PREFETCH_STEP == 0) return;
+    for (int64_t off = 0; off < bytes; off += PREFETCH_STEP) __builtin_prefetch(base + off, 0, 2);
 }
 
 /* The rows of one block and KV head as float32: pointers into a float32 cache, converted
@@ -365,82 +369,200 @@ static inline int is_bf16_exact(const float *q, int count) {
     return _mm512_test_epi32_mask(low, low) == 0 && rest == 0;
 }
 
-static void attend_sequence_bf16(const float *q, float *out, const uint16_t *key,
-                                 const uint16_t *value, const int64_t *table, int64_t seq_len,
-                                 int num_kv_heads, int group, int dim, int block_size,
-                                 float sm_scale, float *work) {
-    const int num_heads = num_kv_heads * group, chunks = dim / 32;
-    const int64_t row_stride = (int64_t)num_kv_heads * dim, block_elems = block_size * row_stride;
+/* 16 float32 values (16c .. 16c+15) of one stored row, unscaled.  Every 8-bit code and every
+ * bf16 value is exact in float32 (and in bf16: int8 codes are 8-bit integers, fp8 values have
+ * 2-3 mantissa bits), which lets the 8-bit caches share the bf16 dot products below. */
+static inline __m512 fp8_chunk(const uint8_t *src, int mant_bits, int rebias, float sub_unit) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __mmask16 normal = _mm512_cmpge_epu32_mask(em, _mm512_set1_epi32(1 << mant_bits));
+    __m512 nv = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 23 - mant_bits),
+                                                     _mm512_set1_epi32(rebias << 23)));
+    __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(sub_unit));
+    __m512 v = _mm512_mask_blend_ps(normal, sv, nv); /* exponent 0: subnormal, m x unit */
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+static inline __m512 chunk_f32(int kind, const void *row, int c) {
+    switch (kind) {
+    case KV_BF16: {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * c));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case KV_I8:
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)row + 16 * c))));
+    case KV_E4M3: /* bias 7: rebias by 120, subnormals m x 2^-9 */
+        return fp8_chunk((const uint8_t *)row + 16 * c, 3, 120, 1.0f / 512.0f);
+    default: /* KV_E5M2, bias 15: rebias by 112, subnormals m x 2^-16 */
+        return fp8_chunk((const uint8_t *)row + 16 * c, 2, 112, 1.0f / 65536.0f);
+    }
+}
+
+/* acc[g] (dim floats, g < GS, `stride` apart) += sum over the n rows of w[g * 16 + o] x V row o.
+ * The GS x C accumulators stay in registers for the whole span and each V chunk is converted
+ * once for all GS heads: p x V is then a handful of FMAs per loaded value. */
+#define DEFINE_PV(GS, C)                                                                       \
+    static void pv_##GS##_##C(float *acc, int64_t stride, const float *w,                     \
+                              const void *const *rows, int n, int kind) {                      \
+        __m512 a[GS][C];                                                                       \
+        for (int g = 0; g < GS; g++)                                                           \
+            for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc + g * stride + 16 * c);  \
+        for (int o = 0; o < n; o++)                                                            \
+            for (int c = 0; c < C; c++) {                                                      \
+                __m512 v = chunk_f32(kind, rows[o], c);                                        \
+                for (int g = 0; g < GS; g++)                                                   \
+                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * 16 + o]), v, a[g][c]);      \
+            }                                                                                  \
+        for (int g = 0; g < GS; g++)                                                           \
+            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);  \
+    }
+DEFINE_PV(1, 2) DEFINE_PV(2, 2) DEFINE_PV(3, 2) DEFINE_PV(4, 2)
+DEFINE_PV(5, 2) DEFINE_PV(6, 2) DEFINE_PV(7, 2) DEFINE_PV(8, 2)
+DEFINE_PV(1, 4) DEFINE_PV(2, 4) DEFINE_PV(3, 4) DEFINE_PV(4, 4)
+DEFINE_PV(1, 8) DEFINE_PV(2, 8)
+typedef void (*pv_fn)(float *, int64_t, const float *, const void *const *, int, int);
+static const pv_fn PV_BY_SHAPE[9][9] = { /* [C][GS]: dim 32, 64, 128 */
+    [2] = {0, pv_1_2, pv_2_2, pv_3_2, pv_4_2, pv_5_2, pv_6_2, pv_7_2, pv_8_2},
+    [4] = {0, pv_1_4, pv_2_4, pv_3_4, pv_4_4},
+    [8] = {0, pv_1_8, pv_2_8},
+};
+
+static inline int fast_dim(int dim) { return dim == 32 || dim == 64 || dim == 128; }
+
+/* The scale of each of the span's rows for one KV head (1 for unscaled storage). */
+static inline __m512 span_scales(const float *scales, int64_t first_slot, int n, int kv_head,
+                                 int num_kv_heads) {
+    if (!scales) return _mm512_set1_ps(1.0f);
+    float s[16];
+    for (int o = 0; o < 16; o++)
+        s[o] = o < n ? scales[(first_slot + o) * num_kv_heads + kv_head] : 1.0f;
+    return _mm512_loadu_ps(s);
+}
+
+/* Rows of 8-bit codes as bf16 (exact) in buf, for the bf16 dot products. */
+static inline void rows_to_bf16(int kind, const void *const *rows, int n, int dim,
+                                uint16_t *buf, const uint16_t **out_rows) {
+    for (int o = 0; o < n; o++) {
+        for (int c = 0; c < dim / 16; c += 2) {
+            __m512bh pair = _mm512_cvtne2ps_pbh(chunk_f32(kind, rows[o], c + 1),
+                                                chunk_f32(kind, rows[o], c));
+            _mm512_storeu_si512(buf + o * dim + 16 * c, (__m512i)pair);
+        }
+        out_rows[o] = buf + o * dim;
+    }
+}
+
+/* Softmax of n scores in place (lanes beyond n are ignored): p = exp(s - max), returns 1 / sum. */
+static float softmax_in_place(float *s, int64_t n) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+    __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
+    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
+        _mm512_storeu_ps(s + i, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    if (tail) {
+        __m512 p = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), shift)));
+        _mm512_mask_storeu_ps(s + i, tail, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* One sequence over a bf16 or 8-bit cache, with bf16-exact queries (a bf16 model), in two
+ * passes: every score first (bf16 dot products; 8-bit K codes widened to bf16 exactly, times
+ * their scales), one softmax per head over the whole sequence, then p x V in float32 with
+ * register accumulators (V scales folded into the weights).  Against an online softmax per
+ * block this saves the per-block maxima, rescaling and exponentials' latency chains; the
+ * scores (num_heads x seq_len floats) stay in L2.
+ * work: 16 * group + 8 * dim + num_heads * round_up(seq_len, 16) floats. */
+static void attend_sequence_fast(const float *q, float *out, const void *key, const void *value,
+                                 const float *key_scale, const float *value_scale, int kind,
+                                 const int64_t *table, int64_t seq_len, int num_kv_heads,
+                                 int group, int dim, int block_size, float sm_scale,
+                                 float *work) {
+    const int num_heads = num_kv_heads * group, chunks = dim / 32, elem = kind == KV_BF16 ? 2 : 1;
+    const int64_t row_stride = (int64_t)num_kv_heads * dim * elem;
+    const int64_t block_bytes = block_size * row_stride;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    float *run_max = work, *run_sum = run_max + num_heads, *vbuf = run_sum + num_heads;
+    const int64_t padded = (seq_len + 15) / 16 * 16;
+    float *w = work, *scores = w + 16 * group;
+    uint16_t *kbuf = (uint16_t *)(scores + (int64_t)num_heads * padded);
+    const int gs_max = 16 / (dim / 16) < group ? 16 / (dim / 16) : group;
     __m512bh qbf[num_heads][BF16_CHUNKS_MAX];
-    for (int head = 0; head < num_heads; head++) {
+    for (int head = 0; head < num_heads; head++)
         for (int c = 0; c < chunks; c++) {
             const float *src = q + (int64_t)head * dim + 32 * c;
             qbf[head][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         }
-        run_max[head] = -INFINITY;
-        run_sum[head] = 0.0f;
-    }
-    memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
-    const uint16_t *krows[32], *vrows[32];
-    for (int64_t b = 0; b < num_blocks; b++) {
-        if (b + 1 < num_blocks) {
-            prefetch_rows((const char *)(key + table[b + 1] * block_elems), block_elems * 2);
-            prefetch_rows((const char *)(value + table[b + 1] * block_elems), block_elems * 2);
-        }
+    const void *rows[32];
+    const uint16_t *kbf[16];
+    for (int64_t b = 0; b < num_blocks; b++) { /* pass 1: scores */
+        const char *block = (const char *)key + table[b] * block_bytes;
+        if (b + 1 < num_blocks)
+            prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
         int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
                                                                 : block_size);
         for (int h = 0; h < num_kv_heads; h++) {
-            int64_t first = table[b] * block_elems + (int64_t)h * dim;
-            for (int o = 0; o < count; o++) {
-                krows[o] = key + first + o * row_stride;
-                vrows[o] = value + first + o * row_stride;
-            }
+            for (int o = 0; o < count; o++) rows[o] = block + o * row_stride + (int64_t)h * dim * elem;
             for (int start = 0; start < count; start += 16) {
                 int n = count - start < 16 ? count - start : 16;
+                int64_t row0 = b * block_size + start;
+                __m512 ks = _mm512_mul_ps(
+                    span_scales(key_scale, table[b] * block_size + start, n, h, num_kv_heads),
+                    _mm512_set1_ps(sm_scale));
+                if (kind == KV_BF16)
+                    for (int o = 0; o < n; o++) kbf[o] = (const uint16_t *)rows[start + o];
+                else
+                    rows_to_bf16(kind, rows + start, n, dim, kbuf, kbf);
                 __mmask16 live = (__mmask16)((1u << n) - 1u);
-                for (int o = 0; o < n; o++) /* V rows of this span as float32, once per head */
-                    for (int c = 0; c < dim; c += 16) {
-                        __m512i w = _mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256((const __m256i *)(vrows[start + o] + c)));
-                        _mm512_storeu_ps(vbuf + o * dim + c,
-                                         _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-                    }
                 for (int g = 0; g < group; g++) {
-                    int head = h * group + g;
-                    __m512 sc = _mm512_mul_ps(bf16_scores16(qbf[head], krows + start, n, chunks),
-                                              _mm512_set1_ps(sm_scale));
-                    sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), sc);
-                    float block_max = _mm512_reduce_max_ps(sc);
-                    float new_max = block_max > run_max[head] ? block_max : run_max[head];
-                    __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
-                    float *acc = out + (int64_t)head * dim;
-                    if (new_max != run_max[head]) {
-                        float correction = expf(run_max[head] - new_max);
-                        run_sum[head] *= correction;
-                        __m512 cv = _mm512_set1_ps(correction);
-                        for (int c = 0; c < dim; c += 16)
-                            _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), cv));
-                        run_max[head] = new_max;
-                    }
-                    run_sum[head] += _mm512_reduce_add_ps(p);
-                    float pw[16];
-                    _mm512_storeu_ps(pw, p);
-                    for (int c = 0; c < dim; c += 16) {
-                        __m512 a = _mm512_loadu_ps(acc + c);
-                        for (int o = 0; o < n; o++)
-                            a = _mm512_fmadd_ps(_mm512_set1_ps(pw[o]),
-                                                _mm512_loadu_ps(vbuf + o * dim + c), a);
-                        _mm512_storeu_ps(acc + c, a);
-                    }
+                    __m512 sc = _mm512_mul_ps(bf16_scores16(qbf[h * group + g], kbf, n, chunks), ks);
+                    _mm512_mask_storeu_ps(scores + (int64_t)(h * group + g) * padded + row0, live, sc);
+                }
+            }
+        }
+    }
+    float inv_sum[num_heads];
+    for (int head = 0; head < num_heads; head++)
+        inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len);
+    memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
+    for (int64_t b = 0; b < num_blocks; b++) { /* pass 2: p x V */
+        const char *block = (const char *)value + table[b] * block_bytes;
+        if (b + 1 < num_blocks)
+            prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
+        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                                : block_size);
+        for (int h = 0; h < num_kv_heads; h++) {
+            for (int o = 0; o < count; o++) rows[o] = block + o * row_stride + (int64_t)h * dim * elem;
+            for (int start = 0; start < count; start += 16) {
+                int n = count - start < 16 ? count - start : 16;
+                int64_t row0 = b * block_size + start;
+                __mmask16 live = (__mmask16)((1u << n) - 1u);
+                __m512 vs = span_scales(value_scale, table[b] * block_size + start, n, h, num_kv_heads);
+                for (int g = 0; g < group; g++) {
+                    const float *p = scores + (int64_t)(h * group + g) * padded + row0;
+                    _mm512_storeu_ps(w + 16 * g, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), vs));
+                }
+                for (int g0 = 0; g0 < group; g0 += gs_max) {
+                    int gs = group - g0 < gs_max ? group - g0 : gs_max;
+                    PV_BY_SHAPE[dim / 16][gs](out + (int64_t)(h * group + g0) * dim, dim,
+                                              w + 16 * g0, rows + start, n, kind);
                 }
             }
         }
     }
     for (int head = 0; head < num_heads; head++) {
-        float inv = 1.0f / run_sum[head];
-        for (int d = 0; d < dim; d++) out[(int64_t)head * dim + d] *= inv;
+        __m512 inv = _mm512_set1_ps(inv_sum[head]);
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(out + (int64_t)head * dim + d,
+                             _mm512_mul_ps(_mm512_loadu_ps(out + (int64_t)head * dim + d), inv));
     }
 }
 #else
@@ -457,11 +579,16 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
                            int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
                            int block_size, float sm_scale, int num_threads) {
     const int num_heads = num_kv_heads * group;
-    const size_t work_floats = (size_t)2 * num_heads + (size_t)group * block_size
-                               + (size_t)2 * block_size * dim;
+    /* general path: 2 * heads + group * block_size + 2 * block_size * dim; fast path:
+     * 16 * group + 8 * dim (16 rows of bf16) + heads * round_up(longest, 16) scores */
+    int64_t longest = 0;
+    for (int seq = 0; seq < num_seqs; seq++) longest = seq_lens[seq] > longest ? seq_lens[seq] : longest;
+    size_t general = (size_t)2 * num_heads + (size_t)group * block_size + (size_t)2 * block_size * dim;
+    size_t fast_work = (size_t)16 * group + (size_t)8 * dim + (size_t)num_heads * ((longest + 15) / 16 * 16);
+    const size_t work_floats = general > fast_work ? general : fast_work;
 #if HAVE_BF16_DOT
-    const int bf16_fast = kind == KV_BF16 && dim % 32 == 0 && dim <= 32 * BF16_CHUNKS_MAX
-                          && block_size <= 32;
+    const int fast = (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
+                     && fast_dim(dim) && block_size <= 32;
 #endif
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
@@ -476,10 +603,11 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
             if (!work) continue;
             int64_t head0 = (int64_t)seq * num_heads * dim;
 #if HAVE_BF16_DOT
-            if (bf16_fast && is_bf16_exact(query + head0, num_heads * dim)) {
-                attend_sequence_bf16(query + head0, out + head0, key, value,
-                                     block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
-                                     num_kv_heads, group, dim, block_size, sm_scale, work);
+            if (fast && is_bf16_exact(query + head0, num_heads * dim)) {
+                attend_sequence_fast(query + head0, out + head0, key, value, key_scale,
+                                     value_scale, kind, block_tables + (int64_t)seq * max_blocks,
+                                     seq_lens[seq], num_kv_heads, group, dim, block_size,
+                                     sm_scale, work);
                 continue;
             }
 #endif
