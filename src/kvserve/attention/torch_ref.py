@@ -71,7 +71,35 @@ class TorchRefBackend:
         keys, values = keys[: span.seq_len], values[: span.seq_len]
         positions = torch.arange(num_context, span.seq_len, device=query.device)
         mask = torch.arange(span.seq_len, device=query.device)[None, :] <= positions[:, None]
-        return _sequence_attention(query, keys, values, mask, scale)
+        return _grouped_attention(query, keys, values, mask, scale)
+
+
+def _grouped_attention(
+    query: torch.Tensor,  # [L, H, D]
+    keys: torch.Tensor,  # [S, Hkv, D]
+    values: torch.Tensor,
+    mask: torch.Tensor,  # [L, S] bool
+    scale: float,
+) -> torch.Tensor:  # [L, H, D]
+    """A chunk over cached context: each KV head's group of query heads is folded into the
+    query length ([Hkv, group x L, D], the mask repeated per head), so SDPA's fused kernel
+    runs without repeating K/V.  The same products as _sequence_attention, measured 1.8-2x
+    faster at 32 query tokens over 1,056 keys (W3's suffixes after a shared prefix), where
+    repeating the gathered K/V three times cost more than the attention itself.  Fresh
+    prefills keep _sequence_attention: its causal kernel skips the masked half."""
+    num_query, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = query.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(
+        folded.reshape(1, num_kv_heads, group * num_query, head_dim),
+        keys.transpose(0, 1)[None],  # [1, Hkv, S, D]
+        values.transpose(0, 1)[None],
+        attn_mask=mask.repeat(group, 1)[None, None],
+        scale=scale,
+    )
+    out = out[0].view(num_kv_heads, group, num_query, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(num_query, num_heads, head_dim)
 
 
 def _sequence_attention(
