@@ -45,3 +45,14 @@ def test_status_line_splits_the_interval_misses_by_reason():
     assert line.endswith(
         "Prefix cache misses (tokens): below_block_size 3, isolated 32, evicted 0, never_seen 48"
     )
+
+
+def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
+    host = dict(prefix_cache_host_hits=12, num_host_blocks=64, host_kv_cache_usage=0.25,
+                num_offloaded_blocks=16, num_loaded_blocks=3)  # fmt: skip
+    text = ServerMetrics(lambda: stats(**host), "m").exposition().decode()
+    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="device"} 5.0' in text
+    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="host"} 12.0' in text
+    assert 'kvserve:host_kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'kvserve:kv_offloaded_blocks_total{model_name="m"} 16.0' in text
+    assert 'kvserve:kv_loaded_blocks_total{model_name="m"} 3.0' in text

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch.profiler import record_function
 
 from kvserve.attention import select_backend
@@ -28,7 +29,9 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
     KVCacheSizing,
     kv_budget_bytes,
+    measure_host_memory,
     resolve_max_model_len,
+    size_host_tier,
     size_kv_cache,
 )
 from kvserve.engine.stopping import StopStrings
@@ -51,6 +54,7 @@ from kvserve.step import (
 from kvserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("kvserve")
+CPU = torch.device("cpu")
 
 
 class StepFailedError(RuntimeError):
@@ -152,7 +156,11 @@ class LLMEngine:
                 self.attention, self.device,
             ),
         )  # fmt: skip
-        return size_kv_cache(spec, budget, self.max_model_len)
+        sizing = size_kv_cache(spec, budget, self.max_model_len)
+        if cache.kv_offloading_size is None:
+            return sizing
+        host = measure_host_memory()
+        return size_host_tier(sizing, cache.kv_offloading_size, self.device, host)
 
     def _checked_kv_cache_dtype(self, config: EngineConfig) -> EngineConfig:
         """The config with the KV dtype the start-up check settles on (an 8-bit one is
@@ -171,6 +179,11 @@ class LLMEngine:
         spec = self.sizing.spec
         cache = self.config.cache
         self.kv_caches = allocate_kv_caches(spec, self.sizing.num_blocks, self.device)
+        num_host = self.sizing.num_host_blocks
+        host_kv_caches = (
+            allocate_kv_caches(spec, num_host, CPU, pin_memory=self.device.type == "cuda")
+            if num_host else None
+        )  # fmt: skip
         self.services = PrefixCacheServices(cache, self.device)
         self.cache_manager = KVCacheManager(
             self.sizing.num_blocks,
@@ -183,6 +196,7 @@ class LLMEngine:
             ),
             enable_events=self.services.wants_events,
             track_new_blocks=self.services.wants_new_blocks,
+            num_host_blocks=num_host,
         )  # fmt: skip
         sched = self.config.scheduler
         self.scheduler = Scheduler(
@@ -191,7 +205,7 @@ class LLMEngine:
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
-            seed=self.config.load.seed,
+            seed=self.config.load.seed, host_kv_caches=host_kv_caches,
         )  # fmt: skip
 
     def _open_prefix_store(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +25,7 @@ class KVCacheSizing:
     spec: KVCacheSpec
     num_blocks: int
     max_model_len: int
+    num_host_blocks: int = 0  # the host tier's (--kv-offloading-size)
 
     @property
     def num_tokens(self) -> int:
@@ -45,6 +46,16 @@ class KVCacheSizing:
             f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, "
             f"{self.spec.bytes_per_token:,} bytes/token, {self.spec.dtype}); "
             f"max concurrency at {self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
+            + self._host_summary()
+        )
+
+    def _host_summary(self) -> str:
+        if not self.num_host_blocks:
+            return ""
+        num_bytes = self.num_host_blocks * self.spec.bytes_per_block
+        return (
+            f"; host tier: {self.num_host_blocks:,} blocks = "
+            f"{self.num_host_blocks * self.spec.block_size:,} tokens ({format_bytes(num_bytes)})"
         )
 
 
@@ -198,3 +209,30 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> K
             "--gpu-memory-utilization, or use --kv-cache-dtype fp8 or int8"
         )
     return KVCacheSizing(spec, num_blocks, max_model_len)
+
+
+def size_host_tier(
+    sizing: KVCacheSizing, offloading_gib: float | None, device: torch.device, host: HostMemory
+) -> KVCacheSizing:
+    """`sizing` with the host tier's whole blocks in --kv-offloading-size GiB (none when
+    unset).  CapacityError when it would leave less than the headroom of host memory
+    available (on a CPU the KV cache, not allocated yet, comes out of the same RAM), or when
+    it holds not even one block."""
+    if offloading_gib is None:
+        return sizing
+    spec = sizing.spec
+    num_bytes = int(offloading_gib * GIB)
+    num_blocks = spec.num_blocks_in(num_bytes)
+    if num_blocks == 0:
+        raise ParameterError(
+            "--kv-offloading-size",
+            f"{offloading_gib} GiB holds no block of {format_bytes(spec.bytes_per_block)}",
+        )
+    room = host.max_kv_bytes - (sizing.num_bytes if device.type == "cpu" else 0)
+    if num_blocks * spec.bytes_per_block > room:
+        raise CapacityError(
+            f"--kv-offloading-size {offloading_gib} GiB would leave less than "
+            f"{_headroom_text(host)} of the {format_bytes(host.available)} of host memory "
+            f"available now; at most {max(0, room) / GIB:.2f} GiB fits"
+        )
+    return replace(sizing, num_host_blocks=num_blocks)

@@ -16,6 +16,7 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillS
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
+from kvserve.runner.host_transfers import apply_host_transfers
 from kvserve.runner.sampling import SamplingBatch, sample
 from kvserve.step import (
     ModelRunnerOutput,
@@ -101,9 +102,12 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        host_kv_caches: list[LayerKVCache] | None = None,
     ) -> None:
+        """`host_kv_caches`: the host tier's per-layer caches (--kv-offloading-size)."""
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_caches = host_kv_caches
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -125,6 +129,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self._generators.pop(request_id, None)
+        apply_host_transfers(
+            self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
+        )
         if output.block_copies:
             src, dst = torch.tensor(output.block_copies, device=self.device).unbind(1)
             for cache in self.kv_caches:
