@@ -3,6 +3,7 @@ would fit.  The bytes come from kv/spec.py, the same accounting the planner uses
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class KVCacheSizing:
         )
 
 
+logger = logging.getLogger("kvserve")
 GIB = 1024**3
 MIB = 1024**2
 ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -88,16 +90,53 @@ def measure_host_memory() -> HostMemory:
     return HostMemory(platform.total_host_memory(), platform.available_host_memory())
 
 
+@dataclass(frozen=True)
+class GpuMemoryBudget:
+    """vLLM's start-up accounting of a GPU: of `utilization` x `total` device memory, what
+    the weights, the activation peak of a profiling forward pass, the CUDA graph pool and
+    the memory outside PyTorch's allocator (CUDA context, cuBLAS/NCCL workspaces, other
+    processes) take; the rest is the KV cache's."""
+
+    total: int
+    utilization: float
+    weights: int
+    activations: int  # peak of one forward over max_num_batched_tokens prompt tokens
+    cuda_graphs: int  # the captured decode graphs' private pool (0 when eager)
+    non_torch: int  # device memory in use that PyTorch's caching allocator does not hold
+
+    @property
+    def requested(self) -> int:
+        return int(self.utilization * self.total)
+
+    @property
+    def kv_cache(self) -> int:
+        return self.requested - self.weights - self.activations - self.cuda_graphs - self.non_torch
+
+    def summary(self) -> str:
+        """One start-up log line naming each part."""
+        parts = (
+            ("weights", self.weights), ("activation peak (profiled)", self.activations),
+            ("CUDA graph pool", self.cuda_graphs), ("non-torch memory", self.non_torch),
+        )  # fmt: skip
+        named = ", ".join(f"{name} {format_bytes(num)}" for name, num in parts)
+        return (
+            f"GPU memory: {self.utilization:.2f} x {format_bytes(self.total)} = "
+            f"{format_bytes(self.requested)}, less {named} = KV cache {format_bytes(self.kv_cache)}"
+        )
+
+
 def kv_budget_bytes(
     cache: CacheConfig,
     device: torch.device,
     weights_bytes: int,
     profile_peak_activation_bytes: Callable[[], int],
+    cuda_graph_pool_bytes: Callable[[], int] = lambda: 0,
 ) -> int:
     """Bytes for the KV cache.  Call after the weights are loaded (a CPU measures free RAM).
 
-    --kv-cache-memory wins.  On a GPU: utilization (default 0.9) x device memory - weights -
-    the peak activation memory of a profiling forward pass.  On a CPU: cpu_kv_budget_bytes."""
+    --kv-cache-memory wins.  On a GPU: GpuMemoryBudget, logged part by part (each callable
+    profiles on the device; the non-torch memory is measured after them).  On a CPU:
+    cpu_kv_budget_bytes."""
     if device.type == "cpu":
         return cpu_kv_budget_bytes(cache, weights_bytes, measure_host_memory())
     if cache.kv_cache_memory is not None:
@@ -105,16 +144,21 @@ def kv_budget_bytes(
     util = cache.gpu_memory_utilization
     if util is None:
         util = GPU_MEMORY_UTILIZATION_DEFAULT
-    total = platform.total_device_memory(device)
     activations = profile_peak_activation_bytes()
-    budget = int(util * total) - weights_bytes - activations
-    if budget <= 0:
+    graphs = cuda_graph_pool_bytes()
+    budget = GpuMemoryBudget(
+        total=platform.total_device_memory(device), utilization=util, weights=weights_bytes,
+        activations=activations, cuda_graphs=graphs,
+        non_torch=platform.non_torch_device_memory(device),
+    )  # fmt: skip
+    logger.info(budget.summary())
+    if budget.kv_cache <= 0:
         raise CapacityError(
-            f"no memory left for the KV cache: {util:.2f} x {format_bytes(total)} - weights "
-            f"{format_bytes(weights_bytes)} - activations {format_bytes(activations)} <= 0; "
-            "raise --gpu-memory-utilization or set --kv-cache-memory"
+            f"no memory left for the KV cache: {budget.summary()}; raise "
+            "--gpu-memory-utilization, set --kv-cache-memory, or --enforce-eager (no CUDA "
+            "graph pool)"
         )
-    return budget
+    return budget.kv_cache
 
 
 def cpu_kv_budget_bytes(cache: CacheConfig, weights_bytes: int, host: HostMemory) -> int:
