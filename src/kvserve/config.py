@@ -318,7 +318,8 @@ class LoadConfig:
         default_factory=lambda: os.environ.get("KVSERVE_ENFORCE_EAGER") == "1",
         metadata=_help(
             "Run the layers eagerly, without torch.compile (which fuses their element-wise "
-            "work; it compiles at start-up, once per machine thanks to its disk cache). "
+            "work; it compiles at start-up, once per machine thanks to its disk cache) and, on "
+            "CUDA, without CUDA graphs of the decode steps. "
             "Default: off, or on when KVSERVE_ENFORCE_EAGER=1."
         ),
     )

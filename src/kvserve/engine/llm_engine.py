@@ -43,6 +43,12 @@ from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
+from kvserve.runner.cuda_graphs import (
+    GraphPlan,
+    graphs_enabled,
+    plan_graphs,
+    profile_graph_pool_bytes,
+)
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import (
     CompletionOutput,
@@ -117,9 +123,11 @@ class LLMEngine:
         self.model_path = checkpoint.path
         self.config = self._checked_kv_cache_dtype(config)
         self.max_model_len = self._resolve_max_model_len()
+        self.graph_plan = self._plan_cuda_graphs()
         self.sizing = self._size_kv_cache()
         self._build_runtime()
         self._compile_model()  # its warm-up writes into the first blocks: before any load
+        self._capture_cuda_graphs()
         self._open_prefix_store()
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -147,6 +155,7 @@ class LLMEngine:
         )  # fmt: skip
         weights = itertools.chain(self.model.parameters(), self.model.buffers())  # + packed
         weights_bytes = sum(t.numel() * t.element_size() for t in weights)
+        plan = self.graph_plan
         budget = kv_budget_bytes(
             cache,
             self.device,
@@ -154,6 +163,10 @@ class LLMEngine:
             lambda: profile_peak_activation_bytes(
                 self.model, spec, self.config.scheduler.max_num_batched_tokens,
                 self.attention, self.device,
+            ),
+            lambda: (
+                0 if plan is None
+                else profile_graph_pool_bytes(self.model, spec, self.attention, self.device, plan)
             ),
         )  # fmt: skip
         sizing = size_kv_cache(spec, budget, self.max_model_len)
@@ -178,7 +191,11 @@ class LLMEngine:
     def _build_runtime(self) -> None:
         spec = self.sizing.spec
         cache = self.config.cache
-        self.kv_caches = allocate_kv_caches(spec, self.sizing.num_blocks, self.device)
+        # With CUDA graphs, one block more than the pool's: the pad rows' scratch block.
+        num_pad_blocks = 0 if self.graph_plan is None else 1
+        self.kv_caches = allocate_kv_caches(
+            spec, self.sizing.num_blocks + num_pad_blocks, self.device
+        )
         num_host = self.sizing.num_host_blocks
         host_kv_caches = (
             allocate_kv_caches(spec, num_host, CPU, pin_memory=self.device.type == "cuda")
@@ -219,6 +236,34 @@ class LLMEngine:
             spec.block_size, shape, self.tokenizer,
         )  # fmt: skip
         self.services.open_store(print_, self.kv_caches, self.cache_manager)
+
+    def _plan_cuda_graphs(self) -> GraphPlan | None:
+        """The decode graphs to capture (None: eager; --enforce-eager or not CUDA)."""
+        if not graphs_enabled(self.device, self.config.load.enforce_eager):
+            return None
+        sched = self.config.scheduler
+        return plan_graphs(sched.max_num_seqs, self.max_model_len, self.config.cache.block_size)
+
+    def _capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs; a capture that fails leaves the runner eager, with a
+        warning, never a failed start."""
+        plan = self.graph_plan
+        if plan is None:
+            return
+        try:
+            seconds = self.runner.capture_cuda_graphs(plan, pad_block_id=self.sizing.num_blocks)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            logger.warning(
+                "CUDA graph capture failed, decoding eagerly (%s: %s)",
+                type(exc).__name__, first_line,
+            )  # fmt: skip
+            self.runner.cuda_graphs = None
+            return
+        logger.info(
+            "captured %d CUDA graphs for decode in %.1fs: batch sizes %s, block-table widths %s",
+            len(plan.keys), seconds, _span(plan.batch_sizes), _span(plan.block_widths),
+        )  # fmt: skip
 
     def _compile_model(self) -> None:
         """torch.compile the layers unless --enforce-eager; a compiler that fails (no C++
@@ -440,3 +485,8 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=user.num_cached_tokens,
         )
+
+
+def _span(values: tuple[int, ...]) -> str:
+    """(1, 2, 4, 8, 16) -> "1-16 (5)"."""
+    return f"{values[0]}-{values[-1]} ({len(values)})" if len(values) > 1 else str(values[0])

@@ -16,6 +16,7 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillS
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
+from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan
 from kvserve.runner.host_transfers import apply_host_transfers
 from kvserve.runner.sampling import SamplingBatch, sample
 from kvserve.step import (
@@ -114,6 +115,18 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.cuda_graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, plan: GraphPlan, pad_block_id: int) -> float:
+        """Run decode steps through CUDA graphs from now on (runner/cuda_graphs.py); block
+        `pad_block_id` of the caches must be no part of the block pool.  On a CPU the same
+        padding runs eagerly (tests).  Returns the capture's seconds."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.backend, self.block_size, plan, pad_block_id
+        )
+        seconds = graphs.capture(record=self.device.type == "cuda")
+        self.cuda_graphs = graphs
+        return seconds
 
     def warm_up(self) -> None:
         """Run a 1-token and a 16-token prefill, so that torch.compile compiles (or loads from
@@ -141,10 +154,12 @@ class ModelRunner:
         # Decodes first: the attention backend batches them in one call.
         requests = sorted(output.scheduled, key=lambda r: r.num_tokens > 1)
         batch = build_batch_input(requests, self.block_size, self.device)
-        metadata = build_attention_metadata(batch, self.block_size)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
-        )
+        hidden = self._run_graph(batch)
+        if hidden is None:
+            metadata = build_attention_metadata(batch, self.block_size)
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
+            )
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput({})
@@ -155,6 +170,15 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _run_graph(self, batch: BatchInput) -> torch.Tensor | None:
+        """Hidden states of a decode-only step through its CUDA graph; None: run eagerly."""
+        if self.cuda_graphs is None or batch.num_decodes != batch.input_ids.shape[0]:
+            return None
+        return self.cuda_graphs.run(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+            batch.block_tables,
+        )  # fmt: skip
 
     def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
         generators = [self._generator(r) for r in requests]
