@@ -25,6 +25,7 @@ def tiny_dir(tiny_model_dir):
 
 def make(tiny_dir, device: str, **kw) -> LLM:
     """Block size 4 and 256 tokens: widths 16, 32, 64 blocks; batch sizes 1, 2, 4, 8."""
+    kw.setdefault("attention_backend", "torch")  # the graph-safe one
     return LLM(
         tiny_dir, device=device, dtype="float32", block_size=4, max_model_len=256,
         kv_cache_memory=200 * 4 * 512, max_num_seqs=8, **kw,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.llm_engine import StepFailedError
 from kvserve.errors import ParameterError
 
 BLOCK = 16
@@ -110,6 +111,31 @@ def test_a_preempted_request_resumes_from_host_memory_without_recompute(tiny_dir
     assert 0 <= recomputed < BLOCK
     assert stats.prefix_cache_host_hits > 0 and stats.num_loaded_blocks > 0
     assert runs[None][0] > 2 * BLOCK  # without the tier, the evicted blocks are recomputed
+
+
+def test_a_step_failing_around_host_copies_forgets_both_tiers(tiny_dir):
+    """The copies may not have run: a block loaded from the host (or a slot written) could hold
+    anything.  The failed step's requests are aborted and nothing cached survives."""
+    llm = make(tiny_dir, HOST_GIB)
+    first, _ = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def failing(output):
+        if output.blocks_from_host:
+            raise RuntimeError("injected: the copies did not run")
+        return execute(output)
+
+    engine.runner.execute = failing
+    engine.add_request("a2", A, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(StepFailedError):
+        engine.step()
+    engine.runner.execute = execute
+    assert engine.cache_manager.host.num_used_slots == 0
+    assert engine.cache_manager.pool.num_cached_blocks == 0
+    assert generate(llm, "a3", A, 8)[0] == first  # recomputed from scratch
+    engine.cache_manager.check_invariants()
 
 
 def test_the_host_tier_needs_prefix_caching(tiny_dir):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.runner.cuda_graphs import (
+    backend_is_graph_safe,
     capture_batch_sizes,
     capture_block_widths,
     graphs_enabled,
@@ -44,6 +46,14 @@ def test_plan_caps_the_gathered_tokens_and_pads_to_the_next_captured_graph():
 def test_a_single_sequence_always_gets_a_graph():
     plan = plan_graphs(max_num_seqs=4, max_model_len=8192, block_size=16, max_gather_tokens=1)
     assert plan.keys == frozenset({(1, 16)})
+
+
+def test_only_a_backend_class_that_declares_a_graph_safe_decode_gets_graphs():
+    class OwnDecode(TorchRefBackend):  # like the C kernel's backend: its own decode
+        pass
+
+    assert backend_is_graph_safe(TorchRefBackend())
+    assert not backend_is_graph_safe(OwnDecode())
 
 
 def test_graphs_only_on_cuda_and_never_with_enforce_eager():

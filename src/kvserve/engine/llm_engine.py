@@ -45,6 +45,7 @@ from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
 from kvserve.runner.cuda_graphs import (
     GraphPlan,
+    backend_is_graph_safe,
     graphs_enabled,
     plan_graphs,
     profile_graph_pool_bytes,
@@ -241,6 +242,12 @@ class LLMEngine:
         """The decode graphs to capture (None: eager; --enforce-eager or not CUDA)."""
         if not graphs_enabled(self.device, self.config.load.enforce_eager):
             return None
+        if not backend_is_graph_safe(self.attention):
+            logger.info(
+                "attention %s does not declare a graph-safe decode: no CUDA graphs",
+                type(self.attention).__name__,
+            )
+            return None
         sched = self.config.scheduler
         return plan_graphs(sched.max_num_seqs, self.max_model_len, self.config.cache.block_size)
 
@@ -399,6 +406,9 @@ class LLMEngine:
             outputs = self._run_scheduled(scheduler_output)
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
+            if scheduler_output.blocks_to_host or scheduler_output.blocks_from_host:
+                # The host tier's copies may not have run: forget what either tier caches.
+                self.cache_manager.reset_prefix_cache()
             try:
                 self.cache_manager.check_invariants()
             except AssertionError as broken:

@@ -50,6 +50,13 @@ def graphs_enabled(device: torch.device, enforce_eager: bool) -> bool:
     return device.type == "cuda" and not enforce_eager
 
 
+def backend_is_graph_safe(backend: AttentionBackend) -> bool:
+    """Whether the attention backend's own class declares its decode recordable
+    (attention/base.py).  Not inherited: a subclass replaces the decode it was declared for
+    (the C kernel's backend extends the reference one), so it must declare it again."""
+    return bool(vars(type(backend)).get("graph_safe_decode", False))
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     """The (batch size, block-table width) pairs to capture."""
