@@ -3,6 +3,10 @@ goes to which host slot, LRU order, pinning, the copies queued, the hits counted
 
 from __future__ import annotations
 
+import pytest
+
+from kvserve.config import CacheConfig
+from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.host_tier import HostTier
 
@@ -99,3 +103,9 @@ def test_reset_clears_the_host_tier_too():
     cm.reset_prefix_cache()
     assert cm.host.num_used_slots == 0
     assert cm.find_cached_prefix("a2", A).num_tokens == 0
+
+
+@pytest.mark.parametrize("size", [0.0, -1.0, float("nan")])
+def test_the_flag_must_be_a_positive_size(size):
+    with pytest.raises(ParameterError, match="--kv-offloading-size must be positive GiB"):
+        CacheConfig(kv_offloading_size=size)
