@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine import llm_engine
+from kvserve.runner import cuda_graphs
 
 PROMPTS = [[(i * 7919 + j * 31) % 40000 + 7 for i in range(n)] for j, n in enumerate((10, 50, 70))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -35,7 +35,7 @@ def make(tiny_dir, device: str, **kw) -> LLM:
 def with_graphs(tiny_dir, device: str, monkeypatch) -> LLM:
     """An engine whose decode steps go through the graph runner (enforce_eager stays on in the
     suite, so torch.compile stays off and only the graphs differ)."""
-    monkeypatch.setattr(llm_engine, "graphs_enabled", lambda device, enforce_eager: True)
+    monkeypatch.setattr(cuda_graphs, "graphs_enabled", lambda device, enforce_eager: True)
     llm = make(tiny_dir, device)
     monkeypatch.undo()
     return llm
@@ -86,6 +86,20 @@ def test_cuda_graphs_replay_the_eager_tokens(tiny_dir, monkeypatch):
     llm = check_graphs_match_eager(tiny_dir, "cuda", monkeypatch)
     graphs = llm.engine.runner.cuda_graphs._graphs
     assert len(graphs) == 12 and all(graph is not None for graph, _ in graphs.values())
+
+
+def test_a_failed_capture_leaves_the_engine_eager_with_a_warning(tiny_dir, monkeypatch, caplog):
+    def fail(self, record=True):
+        raise RuntimeError("operation not permitted when stream is capturing\ndetails")
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", fail)
+    with caplog.at_level("WARNING", logger="kvserve"):
+        llm = with_graphs(tiny_dir, "cpu", monkeypatch)
+    assert llm.engine.runner.cuda_graphs is None
+    assert "CUDA graph capture failed, decoding eagerly (RuntimeError: operation not " in (
+        caplog.text
+    )
+    assert len(llm.generate([PROMPTS[0]], PARAMS)[0].outputs[0].token_ids) == 20
 
 
 @CUDA

@@ -10,6 +10,7 @@ from kvserve.runner.cuda_graphs import (
     backend_is_graph_safe,
     capture_batch_sizes,
     capture_block_widths,
+    describe,
     graphs_enabled,
     plan_graphs,
 )
@@ -54,6 +55,11 @@ def test_only_a_backend_class_that_declares_a_graph_safe_decode_gets_graphs():
 
     assert backend_is_graph_safe(TorchRefBackend())
     assert not backend_is_graph_safe(OwnDecode())
+
+
+def test_the_plan_is_described_in_one_line():
+    plan = plan_graphs(max_num_seqs=256, max_model_len=8192, block_size=16)
+    assert describe(plan) == "batch sizes 1-256 (35), block-table widths 16-512 (6)"
 
 
 def test_graphs_only_on_cuda_and_never_with_enforce_eager():

@@ -43,13 +43,7 @@ from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
-from kvserve.runner.cuda_graphs import (
-    GraphPlan,
-    backend_is_graph_safe,
-    graphs_enabled,
-    plan_graphs,
-    profile_graph_pool_bytes,
-)
+from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import (
     CompletionOutput,
@@ -128,7 +122,8 @@ class LLMEngine:
         self.sizing = self._size_kv_cache()
         self._build_runtime()
         self._compile_model()  # its warm-up writes into the first blocks: before any load
-        self._capture_cuda_graphs()
+        if self.graph_plan is not None:  # after the compile: graphs record compiled kernels
+            self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.sizing.num_blocks)
         self._open_prefix_store()
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -239,37 +234,10 @@ class LLMEngine:
         self.services.open_store(print_, self.kv_caches, self.cache_manager)
 
     def _plan_cuda_graphs(self) -> GraphPlan | None:
-        """The decode graphs to capture (None: eager; --enforce-eager or not CUDA)."""
-        if not graphs_enabled(self.device, self.config.load.enforce_eager):
-            return None
-        if not backend_is_graph_safe(self.attention):
-            logger.info(
-                "attention %s does not declare a graph-safe decode: no CUDA graphs",
-                type(self.attention).__name__,
-            )
-            return None
-        sched = self.config.scheduler
-        return plan_graphs(sched.max_num_seqs, self.max_model_len, self.config.cache.block_size)
-
-    def _capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs; a capture that fails leaves the runner eager, with a
-        warning, never a failed start."""
-        plan = self.graph_plan
-        if plan is None:
-            return
-        try:
-            seconds = self.runner.capture_cuda_graphs(plan, pad_block_id=self.sizing.num_blocks)
-        except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            logger.warning(
-                "CUDA graph capture failed, decoding eagerly (%s: %s)",
-                type(exc).__name__, first_line,
-            )  # fmt: skip
-            self.runner.cuda_graphs = None
-            return
-        logger.info(
-            "captured %d CUDA graphs for decode in %.1fs: batch sizes %s, block-table widths %s",
-            len(plan.keys), seconds, _span(plan.batch_sizes), _span(plan.block_widths),
+        load, sched = self.config.load, self.config.scheduler
+        return decode_graph_plan(
+            self.device, load.enforce_eager, self.attention, sched.max_num_seqs,
+            self.max_model_len, self.config.cache.block_size,
         )  # fmt: skip
 
     def _compile_model(self) -> None:
@@ -495,8 +463,3 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=user.num_cached_tokens,
         )
-
-
-def _span(values: tuple[int, ...]) -> str:
-    """(1, 2, 4, 8, 16) -> "1-16 (5)"."""
-    return f"{values[0]}-{values[-1]} ({len(values)})" if len(values) > 1 else str(values[0])

@@ -50,6 +50,36 @@ def graphs_enabled(device: torch.device, enforce_eager: bool) -> bool:
     return device.type == "cuda" and not enforce_eager
 
 
+def decode_graph_plan(
+    device: torch.device,
+    enforce_eager: bool,
+    backend: AttentionBackend,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+) -> GraphPlan | None:
+    """The decode graphs an engine captures; None (eager) without CUDA, with
+    --enforce-eager, or with a backend that does not declare a graph-safe decode."""
+    if not graphs_enabled(device, enforce_eager):
+        return None
+    if not backend_is_graph_safe(backend):
+        logger.info(
+            "attention %s does not declare a graph-safe decode: no CUDA graphs",
+            type(backend).__name__,
+        )
+        return None
+    return plan_graphs(max_num_seqs, max_model_len, block_size)
+
+
+def describe(plan: GraphPlan) -> str:
+    """'batch sizes 1-256 (35), block-table widths 16-512 (6)' for the start-up log."""
+    return f"batch sizes {_span(plan.batch_sizes)}, block-table widths {_span(plan.block_widths)}"
+
+
+def _span(values: tuple[int, ...]) -> str:
+    return f"{values[0]}-{values[-1]} ({len(values)})" if len(values) > 1 else str(values[0])
+
+
 def backend_is_graph_safe(backend: AttentionBackend) -> bool:
     """Whether the attention backend's own class declares its decode recordable
     (attention/base.py).  Not inherited: a subclass replaces the decode it was declared for

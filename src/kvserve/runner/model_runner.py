@@ -7,6 +7,7 @@ It reads the scheduler output and never decides who runs.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillS
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
-from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan
+from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan, describe
 from kvserve.runner.host_transfers import apply_host_transfers
 from kvserve.runner.sampling import SamplingBatch, sample
 from kvserve.step import (
@@ -25,6 +26,8 @@ from kvserve.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass(frozen=True)
@@ -117,16 +120,28 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.cuda_graphs: DecodeGraphs | None = None
 
-    def capture_cuda_graphs(self, plan: GraphPlan, pad_block_id: int) -> float:
+    def capture_cuda_graphs(self, plan: GraphPlan, pad_block_id: int) -> None:
         """Run decode steps through CUDA graphs from now on (runner/cuda_graphs.py); block
         `pad_block_id` of the caches must be no part of the block pool.  On a CPU the same
-        padding runs eagerly (tests).  Returns the capture's seconds."""
+        padding runs eagerly (tests).  A capture that fails leaves the runner eager, with a
+        warning, never a failed start."""
         graphs = DecodeGraphs(
             self.model, self.kv_caches, self.backend, self.block_size, plan, pad_block_id
         )
-        seconds = graphs.capture(record=self.device.type == "cuda")
+        try:
+            seconds = graphs.capture(record=self.device.type == "cuda")
+        except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            logger.warning(
+                "CUDA graph capture failed, decoding eagerly (%s: %s)",
+                type(exc).__name__, first_line,
+            )  # fmt: skip
+            return
         self.cuda_graphs = graphs
-        return seconds
+        logger.info(
+            "captured %d CUDA graphs for decode in %.1fs: %s",
+            len(plan.keys), seconds, describe(plan),
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """Run a 1-token and a 16-token prefill, so that torch.compile compiles (or loads from
