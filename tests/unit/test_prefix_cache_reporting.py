@@ -56,3 +56,12 @@ def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
     assert 'kvserve:host_kv_cache_usage_perc{model_name="m"} 0.25' in text
     assert 'kvserve:kv_offloaded_blocks_total{model_name="m"} 16.0' in text
     assert 'kvserve:kv_loaded_blocks_total{model_name="m"} 3.0' in text
+
+
+def test_status_line_shows_the_host_tier_usage_only_with_a_host_tier():
+    current = [stats()]
+    metrics = ServerMetrics(lambda: current[0], "m")
+    logger = StatsLogger(metrics, lambda: current[0], 5.0)
+    assert "Host KV usage" not in logger.status_line()
+    current[0] = stats(num_host_blocks=64, host_kv_cache_usage=0.25)
+    assert "Host KV usage: 25.0%" in logger.status_line()
