@@ -184,6 +184,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **long)  # [N]
         self.block_tables = torch.full((n, w), pad_block_id, **long)  # [N, W]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.pool_bytes = 0  # device memory the capture reserved (its pool), for the log
 
     def forward(self, n: int, w: int) -> torch.Tensor:
         """The model over the first `n` rows of the static buffers, tables `w` wide."""
@@ -207,11 +208,13 @@ class DecodeGraphs:
         if not record:
             self._graphs = dict.fromkeys(self.plan.keys, (None, None))
             return time.monotonic() - started
+        reserved = torch.cuda.memory_reserved(self.device)
         with torch.cuda.device(self.device):
             pool = torch.cuda.graph_pool_handle()
             for n, w in sorted(self.plan.keys, reverse=True):
                 self._graphs[n, w] = self._capture_one(n, w, pool)
         torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         return time.monotonic() - started
 
     def _capture_one(self, n: int, w: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -139,8 +139,8 @@ class ModelRunner:
             return
         self.cuda_graphs = graphs
         logger.info(
-            "captured %d CUDA graphs for decode in %.1fs: %s",
-            len(plan.keys), seconds, describe(plan),
+            "captured %d CUDA graphs for decode in %.1fs (pool %.1f MiB): %s",
+            len(plan.keys), seconds, graphs.pool_bytes / 2**20, describe(plan),
         )  # fmt: skip
 
     def warm_up(self) -> None:
