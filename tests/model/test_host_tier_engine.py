@@ -91,8 +91,8 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(tiny_dir):
 
 
 def test_a_preempted_request_resumes_from_host_memory_without_recompute(tiny_dir):
-    prompts = [A[:60], B[:60]]  # 4 blocks each, growing to 10 with 100 outputs: 20 > 12
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    prompts = [A[:60], B[:60]]  # 4 blocks each, growing to 9 with 70 outputs: 18 > 12
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
     reference = make(tiny_dir, None, num_blocks=40).generate(prompts, params)
     runs = {}
     for offloading in (HOST_GIB, None):
@@ -104,7 +104,7 @@ def test_a_preempted_request_resumes_from_host_memory_without_recompute(tiny_dir
         assert [o.outputs[0].token_ids for o in outputs] == [
             o.outputs[0].token_ids for o in reference
         ]
-        runs[offloading] = (computed[0] - 2 * (60 + 100 - 1), stats)
+        runs[offloading] = (computed[0] - 2 * (60 + 70 - 1), stats)
     recomputed, stats = runs[HOST_GIB]
     # The preempted request resumes with every full block a hit, most from the host: it
     # recomputes at most the tokens of its last, partial block.
