@@ -103,6 +103,16 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("Reuse the KV of cached prompt prefixes.")
     )
+    kv_offloading_size: float | None = field(
+        default=None,
+        metadata=_help(
+            "GiB of host memory for a second tier of the prefix cache (vLLM's flag): cached "
+            "blocks evicted from the KV cache, a preempted request's included, are copied "
+            "there (pinned memory on CUDA) and copied back on a hit instead of being "
+            "recomputed. Needs prefix caching.",
+            metavar="GIB",
+        ),
+    )
     public_prefixes: str | None = field(
         default=None,
         metadata=_help(
@@ -172,6 +182,20 @@ class CacheConfig:
         util = self.gpu_memory_utilization
         if util is not None and not 0.0 < util <= 1.0:
             raise ParameterError("--gpu-memory-utilization", f"must be in (0, 1], got {util}")
+        self._validate_offloading()
+
+    def _validate_offloading(self) -> None:
+        size = self.kv_offloading_size
+        if size is None:
+            return
+        if not size > 0:  # also refuses NaN
+            raise ParameterError("--kv-offloading-size", f"must be positive GiB, got {size}")
+        if not self.enable_prefix_caching:
+            raise ParameterError(
+                "--kv-offloading-size",
+                "keeps prefix-cache blocks in host memory: it needs prefix caching on "
+                "(drop --no-enable-prefix-caching)",
+            )
 
     def _validate_store(self) -> None:
         if self.prefix_cache_dir_max_size <= 0:
@@ -294,7 +318,8 @@ class LoadConfig:
         default_factory=lambda: os.environ.get("KVSERVE_ENFORCE_EAGER") == "1",
         metadata=_help(
             "Run the layers eagerly, without torch.compile (which fuses their element-wise "
-            "work; it compiles at start-up, once per machine thanks to its disk cache). "
+            "work; it compiles at start-up, once per machine thanks to its disk cache) and, on "
+            "CUDA, without CUDA graphs of the decode steps. "
             "Default: off, or on when KVSERVE_ENFORCE_EAGER=1."
         ),
     )

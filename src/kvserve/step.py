@@ -34,6 +34,10 @@ class SchedulerOutput:
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished since the previous step: runners drop state
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), copy first
+    # The host tier's copies, each (device block, host slot), made before block_copies:
+    # first every offload (device -> host), then every load (host -> device).
+    blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
+    blocks_from_host: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -61,11 +65,18 @@ class SchedulerStats:
     num_free_blocks: int
     num_preemptions: int  # since start
     prefix_cache_queries: int  # since start, tokens
-    prefix_cache_hits: int
+    prefix_cache_hits: int  # of both tiers
     kv_waste: float  # allocated slots of running requests not holding a computed token
     # since start, missed prompt tokens by reason (kv/miss_reasons.py): below_block_size,
     # isolated, evicted, never_seen
     prefix_cache_misses: dict[str, int] = field(default_factory=dict)
+    # the host tier (--kv-offloading-size): hits served from it (tokens, part of
+    # prefix_cache_hits), blocks copied each way, slots used / all (0 without a tier)
+    prefix_cache_host_hits: int = 0
+    num_host_blocks: int = 0
+    host_kv_cache_usage: float = 0.0
+    num_offloaded_blocks: int = 0
+    num_loaded_blocks: int = 0
 
 
 @dataclass

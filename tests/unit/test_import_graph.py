@@ -43,7 +43,8 @@ ALLOWED: dict[str, set[str]] = {
 PURE_PYTHON = {"engine/scheduler.py", "engine/request_queue.py", "engine/stopping.py",
                "kv/block_pool.py",
                "kv/prefix_cache.py", "kv/cache_manager.py", "kv/spec.py",
-               "kv/miss_reasons.py", "kv/events.py", "kv/cache_log.py"}  # fmt: skip
+               "kv/miss_reasons.py", "kv/events.py", "kv/cache_log.py",
+               "kv/host_tier.py"}  # fmt: skip
 
 
 def unit_of(path: Path) -> str:

@@ -45,3 +45,23 @@ def test_status_line_splits_the_interval_misses_by_reason():
     assert line.endswith(
         "Prefix cache misses (tokens): below_block_size 3, isolated 32, evicted 0, never_seen 48"
     )
+
+
+def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
+    host = dict(prefix_cache_host_hits=12, num_host_blocks=64, host_kv_cache_usage=0.25,
+                num_offloaded_blocks=16, num_loaded_blocks=3)  # fmt: skip
+    text = ServerMetrics(lambda: stats(**host), "m").exposition().decode()
+    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="device"} 5.0' in text
+    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="host"} 12.0' in text
+    assert 'kvserve:host_kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'kvserve:kv_offloaded_blocks_total{model_name="m"} 16.0' in text
+    assert 'kvserve:kv_loaded_blocks_total{model_name="m"} 3.0' in text
+
+
+def test_status_line_shows_the_host_tier_usage_only_with_a_host_tier():
+    current = [stats()]
+    metrics = ServerMetrics(lambda: current[0], "m")
+    logger = StatsLogger(metrics, lambda: current[0], 5.0)
+    assert "Host KV usage" not in logger.status_line()
+    current[0] = stats(num_host_blocks=64, host_kv_cache_usage=0.25)
+    assert "Host KV usage: 25.0%" in logger.status_line()

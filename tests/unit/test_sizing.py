@@ -18,6 +18,8 @@ from kvserve.engine.sizing import (
     kv_budget_bytes,
     resolve_max_model_len,
 )
+from kvserve.errors import ParameterError
+from kvserve.kv.spec import kv_cache_spec
 from kvserve.runner import platform
 
 # 20 GiB of RAM: the headroom is 10% = 2 GiB.  12 GiB available after 2 GiB of weights, so the
@@ -95,11 +97,68 @@ def test_kv_budget_bytes_measures_the_host_on_a_cpu(monkeypatch):
 
 def test_gpu_budget_is_utilization_of_device_memory_less_weights_and_activations(monkeypatch):
     monkeypatch.setattr(platform, "total_device_memory", lambda device: 80 * GIB)
+    monkeypatch.setattr(platform, "non_torch_device_memory", lambda device: 0)
     cuda = torch.device("cuda")
     got = kv_budget_bytes(CacheConfig(), cuda, 16 * GIB, lambda: GIB)
     assert got == int(0.9 * 80 * GIB) - 17 * GIB
     with pytest.raises(CapacityError, match="no memory left for the KV cache"):
         kv_budget_bytes(CacheConfig(gpu_memory_utilization=0.1), cuda, 16 * GIB, lambda: GIB)
+
+
+def test_gpu_budget_subtracts_the_cuda_graph_pool_and_non_torch_memory_and_logs_each(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(platform, "total_device_memory", lambda device: 80 * GIB)
+    monkeypatch.setattr(platform, "non_torch_device_memory", lambda device: 512 * MIB)
+    cuda = torch.device("cuda")
+    with caplog.at_level("INFO", logger="kvserve"):
+        got = kv_budget_bytes(
+            CacheConfig(gpu_memory_utilization=0.5), cuda, 16 * GIB, lambda: 3 * GIB,
+            cuda_graph_pool_bytes=lambda: 256 * MIB,
+        )  # fmt: skip
+    assert got == 40 * GIB - 16 * GIB - 3 * GIB - 256 * MIB - 512 * MIB == 20 * GIB + 256 * MIB
+    assert caplog.messages == [
+        "GPU memory: 0.50 x 80.0 GiB = 40.0 GiB, less weights 16.0 GiB, activation peak "
+        "(profiled) 3.0 GiB, CUDA graph pool 256.0 MiB, non-torch memory 512.0 MiB = "
+        "KV cache 20.2 GiB"
+    ]
+
+
+def test_gpu_budget_arithmetic():
+    budget = sizing.GpuMemoryBudget(
+        total=141 * GIB, utilization=0.9, weights=15 * GIB, activations=2 * GIB,
+        cuda_graphs=GIB, non_torch=GIB,
+    )  # fmt: skip
+    assert budget.requested == int(0.9 * 141 * GIB)
+    assert budget.kv_cache == int(0.9 * 141 * GIB) - 19 * GIB
+
+
+def test_kv_cache_memory_skips_every_profile_on_a_gpu():
+    never = lambda: pytest.fail("--kv-cache-memory needs no profile")  # noqa: E731
+    cache = CacheConfig(kv_cache_memory=5 * GIB)
+    assert kv_budget_bytes(cache, torch.device("cuda"), GIB, never, never) == 5 * GIB
+
+
+# ---------------------------------------------------------------- the host tier
+SPEC = kv_cache_spec(2, 2, 16, "auto", "float32", 16)  # 8 KiB a block
+
+
+def test_host_tier_blocks_are_whole_blocks_of_the_gib_given():
+    base = sizing.KVCacheSizing(SPEC, num_blocks=12, max_model_len=192)
+    assert sizing.size_host_tier(base, None, torch.device("cpu"), HOST) is base
+    sized = sizing.size_host_tier(base, 1.0, torch.device("cuda"), HOST)
+    assert sized.num_host_blocks == GIB // (8 * 1024) == 131072
+    assert sized.summary().endswith("; host tier: 131,072 blocks = 2,097,152 tokens (1.0 GiB)")
+    with pytest.raises(ParameterError, match="holds no block"):
+        sizing.size_host_tier(base, 2**-20, torch.device("cpu"), HOST)
+
+
+def test_a_host_tier_past_the_headroom_is_refused_counting_a_cpu_kv_cache():
+    # 10 GiB may be taken from host memory; on a CPU a 4 GiB KV cache takes its share.
+    big = sizing.KVCacheSizing(SPEC, num_blocks=4 * GIB // (8 * 1024), max_model_len=192)
+    assert sizing.size_host_tier(big, 10.0, torch.device("cuda"), HOST).num_host_blocks > 0
+    with pytest.raises(CapacityError, match="at most 6.00 GiB fits"):
+        sizing.size_host_tier(big, 7.0, torch.device("cpu"), HOST)
 
 
 # ---------------------------------------------------------------- --max-model-len

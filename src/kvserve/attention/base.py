@@ -38,7 +38,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """What the model needs from an attention implementation."""
+    """What the model needs from an attention implementation.
+
+    A backend class may set `graph_safe_decode = True` when its decode-only forward can be
+    recorded in a CUDA graph (static shapes for a given batch size and block-table width, no
+    host sync): the runner then captures decode graphs; a backend without it decodes eagerly.
+    The declaration is not inherited: a subclass declares it again for its own decode."""
 
     def forward(
         self,

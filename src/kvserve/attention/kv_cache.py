@@ -40,11 +40,24 @@ class LayerKVCache:
             else:
                 flat.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor indexed by block id: key, value, and their scales when kept."""
+        return tuple(
+            t for t in (self.key, self.value, self.key_scale, self.value_scale) if t is not None
+        )
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] (copy on write of shared blocks)."""
-        for t in (self.key, self.value, self.key_scale, self.value_scale):
-            if t is not None:
-                t[dst] = t[src]
+        for t in self.tensors:
+            t[dst] = t[src]
+
+    def copy_blocks_to(self, other: LayerKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks self[src[i]] -> other[dst[i]], across devices: the host tier's
+        offloads (device -> host) and loads (host -> device).  Both caches share a layout."""
+        for a, b in zip(self.tensors, other.tensors, strict=True):
+            rows = a.index_select(0, src.to(a.device))
+            b.index_copy_(0, dst.to(b.device), rows.to(b.device))
 
     def gather(
         self, block_ids: torch.Tensor, out_dtype: torch.dtype
@@ -70,20 +83,22 @@ def _take_blocks(table: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False
 ) -> list[LayerKVCache]:
-    """One LayerKVCache per layer for `num_blocks` blocks, as the accounting in `spec` says."""
+    """One LayerKVCache per layer for `num_blocks` blocks, as the accounting in `spec` says.
+    `pin_memory` (a CPU device only): page-locked, for the host tier of a CUDA cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     dtype = quant.storage_dtype(spec.dtype)
     scaled = spec.dtype in quant.SCALED_DTYPES
+    new = {"device": device, "pin_memory": pin_memory}
     caches = []
     for _ in range(spec.num_layers):
         caches.append(
             LayerKVCache(
-                key=torch.zeros(shape, dtype=dtype, device=device),
-                value=torch.zeros(shape, dtype=dtype, device=device),
-                key_scale=torch.ones(shape[:3], device=device) if scaled else None,
-                value_scale=torch.ones(shape[:3], device=device) if scaled else None,
+                key=torch.zeros(shape, dtype=dtype, **new),
+                value=torch.zeros(shape, dtype=dtype, **new),
+                key_scale=torch.ones(shape[:3], **new) if scaled else None,
+                value_scale=torch.ones(shape[:3], **new) if scaled else None,
                 kv_dtype=spec.dtype,
             )
         )
@@ -92,9 +107,4 @@ def allocate_kv_caches(
 
 def kv_cache_bytes(caches: list[LayerKVCache]) -> int:
     """Bytes actually allocated; equals num_blocks x spec.bytes_per_block (checked in tests)."""
-    total = 0
-    for c in caches:
-        for t in (c.key, c.value, c.key_scale, c.value_scale):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for c in caches for t in c.tensors)

@@ -17,6 +17,10 @@ from kvserve.attention.kv_cache import LayerKVCache
 class TorchRefBackend:
     """The reference backend; any faster backend must give the same outputs."""
 
+    # Decode is one gather over the padded block tables plus a masked SDPA: no host sync and
+    # no shape that depends on the values, so a CUDA graph can record it (runner/cuda_graphs.py).
+    graph_safe_decode = True
+
     def forward(
         self,
         query: torch.Tensor,

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch.profiler import record_function
 
 from kvserve.attention import select_backend
@@ -28,7 +29,9 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
     KVCacheSizing,
     kv_budget_bytes,
+    measure_host_memory,
     resolve_max_model_len,
+    size_host_tier,
     size_kv_cache,
 )
 from kvserve.engine.stopping import StopStrings
@@ -40,6 +43,7 @@ from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
+from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import (
     CompletionOutput,
@@ -51,6 +55,7 @@ from kvserve.step import (
 from kvserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("kvserve")
+CPU = torch.device("cpu")
 
 
 class StepFailedError(RuntimeError):
@@ -113,9 +118,12 @@ class LLMEngine:
         self.model_path = checkpoint.path
         self.config = self._checked_kv_cache_dtype(config)
         self.max_model_len = self._resolve_max_model_len()
+        self.graph_plan = self._plan_cuda_graphs()
         self.sizing = self._size_kv_cache()
         self._build_runtime()
         self._compile_model()  # its warm-up writes into the first blocks: before any load
+        if self.graph_plan is not None:  # after the compile: graphs record compiled kernels
+            self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.sizing.num_blocks)
         self._open_prefix_store()
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -143,6 +151,7 @@ class LLMEngine:
         )  # fmt: skip
         weights = itertools.chain(self.model.parameters(), self.model.buffers())  # + packed
         weights_bytes = sum(t.numel() * t.element_size() for t in weights)
+        plan = self.graph_plan
         budget = kv_budget_bytes(
             cache,
             self.device,
@@ -151,8 +160,16 @@ class LLMEngine:
                 self.model, spec, self.config.scheduler.max_num_batched_tokens,
                 self.attention, self.device,
             ),
+            lambda: (
+                0 if plan is None
+                else profile_graph_pool_bytes(self.model, spec, self.attention, self.device, plan)
+            ),
         )  # fmt: skip
-        return size_kv_cache(spec, budget, self.max_model_len)
+        sizing = size_kv_cache(spec, budget, self.max_model_len)
+        if cache.kv_offloading_size is None:
+            return sizing
+        host = measure_host_memory()
+        return size_host_tier(sizing, cache.kv_offloading_size, self.device, host)
 
     def _checked_kv_cache_dtype(self, config: EngineConfig) -> EngineConfig:
         """The config with the KV dtype the start-up check settles on (an 8-bit one is
@@ -170,7 +187,16 @@ class LLMEngine:
     def _build_runtime(self) -> None:
         spec = self.sizing.spec
         cache = self.config.cache
-        self.kv_caches = allocate_kv_caches(spec, self.sizing.num_blocks, self.device)
+        # With CUDA graphs, one block more than the pool's: the pad rows' scratch block.
+        num_pad_blocks = 0 if self.graph_plan is None else 1
+        self.kv_caches = allocate_kv_caches(
+            spec, self.sizing.num_blocks + num_pad_blocks, self.device
+        )
+        num_host = self.sizing.num_host_blocks
+        host_kv_caches = (
+            allocate_kv_caches(spec, num_host, CPU, pin_memory=self.device.type == "cuda")
+            if num_host else None
+        )  # fmt: skip
         self.services = PrefixCacheServices(cache, self.device)
         self.cache_manager = KVCacheManager(
             self.sizing.num_blocks,
@@ -183,6 +209,7 @@ class LLMEngine:
             ),
             enable_events=self.services.wants_events,
             track_new_blocks=self.services.wants_new_blocks,
+            num_host_blocks=num_host,
         )  # fmt: skip
         sched = self.config.scheduler
         self.scheduler = Scheduler(
@@ -191,7 +218,7 @@ class LLMEngine:
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
-            seed=self.config.load.seed,
+            seed=self.config.load.seed, host_kv_caches=host_kv_caches,
         )  # fmt: skip
 
     def _open_prefix_store(self) -> None:
@@ -205,6 +232,13 @@ class LLMEngine:
             spec.block_size, shape, self.tokenizer,
         )  # fmt: skip
         self.services.open_store(print_, self.kv_caches, self.cache_manager)
+
+    def _plan_cuda_graphs(self) -> GraphPlan | None:
+        load, sched = self.config.load, self.config.scheduler
+        return decode_graph_plan(
+            self.device, load.enforce_eager, self.attention, sched.max_num_seqs,
+            self.max_model_len, self.config.cache.block_size,
+        )  # fmt: skip
 
     def _compile_model(self) -> None:
         """torch.compile the layers unless --enforce-eager; a compiler that fails (no C++
@@ -340,6 +374,9 @@ class LLMEngine:
             outputs = self._run_scheduled(scheduler_output)
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
+            if scheduler_output.blocks_to_host or scheduler_output.blocks_from_host:
+                # The host tier's copies may not have run: forget what either tier caches.
+                self.cache_manager.reset_prefix_cache()
             try:
                 self.cache_manager.check_invariants()
             except AssertionError as broken:

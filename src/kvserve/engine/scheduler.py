@@ -18,6 +18,11 @@ preempted request all of them again); each step hands out `max_num_batched_token
    keeps admitting freely.  On W1 (docs/benchmarks.md: 128 x 256 + 128 tokens; a cache for
    30 of them) the first version preempted 39 times and recomputed about 9k prompt tokens.
 
+Preemption with a host tier (--kv-offloading-size): the preempted request's full blocks stay
+cached on the device; those the other requests then evict are copied to host memory
+(kv/host_tier.py), and on resumption its prefix lookup loads them back, so it recomputes at
+most its last partial block instead of everything.
+
 Parallel sampling: siblings of a request (``fork_of``) wait until its prompt is computed, then
 share its prompt blocks by reference and recompute only the last prompt token (they need its
 logits to sample their own first token); the shared partial block is copied on write.
@@ -127,9 +132,11 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
+        transfers = self.cache_manager.take_host_transfers()
         return SchedulerOutput(
-            scheduled, preempted, finished, self.cache_manager.take_block_copies()
-        )
+            scheduled, preempted, finished, self.cache_manager.take_block_copies(),
+            blocks_to_host=transfers.offloads, blocks_from_host=transfers.loads,
+        )  # fmt: skip
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, done: set[str], preempted: list[str]
@@ -189,7 +196,10 @@ class Scheduler:
                 self.waiting.appendleft(request)
                 break
             if not forked:
-                cm.record_prefix_query(request.request_id, request.num_tokens, cached.num_tokens)
+                cm.record_prefix_query(
+                    request.request_id, request.num_tokens, cached.num_tokens,
+                    cached.num_host_tokens,
+                )  # fmt: skip
                 in_flight.update(
                     cm.hashes_computed_by(
                         request.request_id, request.all_token_ids, num_computed, request.cache_salt
@@ -294,4 +304,19 @@ class Scheduler:
             prefix_cache_hits=cm.prefix_stats.hits,
             prefix_cache_misses=dict(cm.prefix_stats.misses),
             kv_waste=1.0 - held / slots if slots else 0.0,
+            prefix_cache_host_hits=cm.prefix_stats.host_hits,
+            **_host_tier_stats(cm),
         )
+
+
+def _host_tier_stats(cm: KVCacheManager) -> dict[str, int | float]:
+    """The SchedulerStats fields of the host tier (their defaults without one)."""
+    host = cm.host
+    if host is None:
+        return {}
+    return dict(
+        num_host_blocks=host.num_slots,
+        host_kv_cache_usage=host.usage,
+        num_offloaded_blocks=host.stats.num_offloaded_blocks,
+        num_loaded_blocks=host.stats.num_loaded_blocks,
+    )

@@ -3,10 +3,11 @@ would fit.  The bytes come from kv/spec.py, the same accounting the planner uses
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +26,7 @@ class KVCacheSizing:
     spec: KVCacheSpec
     num_blocks: int
     max_model_len: int
+    num_host_blocks: int = 0  # the host tier's (--kv-offloading-size)
 
     @property
     def num_tokens(self) -> int:
@@ -45,9 +47,20 @@ class KVCacheSizing:
             f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, "
             f"{self.spec.bytes_per_token:,} bytes/token, {self.spec.dtype}); "
             f"max concurrency at {self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
+            + self._host_summary()
+        )
+
+    def _host_summary(self) -> str:
+        if not self.num_host_blocks:
+            return ""
+        num_bytes = self.num_host_blocks * self.spec.bytes_per_block
+        return (
+            f"; host tier: {self.num_host_blocks:,} blocks = "
+            f"{self.num_host_blocks * self.spec.block_size:,} tokens ({format_bytes(num_bytes)})"
         )
 
 
+logger = logging.getLogger("kvserve")
 GIB = 1024**3
 MIB = 1024**2
 ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -77,16 +90,53 @@ def measure_host_memory() -> HostMemory:
     return HostMemory(platform.total_host_memory(), platform.available_host_memory())
 
 
+@dataclass(frozen=True)
+class GpuMemoryBudget:
+    """vLLM's start-up accounting of a GPU: of `utilization` x `total` device memory, what
+    the weights, the activation peak of a profiling forward pass, the CUDA graph pool and
+    the memory outside PyTorch's allocator (CUDA context, cuBLAS/NCCL workspaces, other
+    processes) take; the rest is the KV cache's."""
+
+    total: int
+    utilization: float
+    weights: int
+    activations: int  # peak of one forward over max_num_batched_tokens prompt tokens
+    cuda_graphs: int  # the captured decode graphs' private pool (0 when eager)
+    non_torch: int  # device memory in use that PyTorch's caching allocator does not hold
+
+    @property
+    def requested(self) -> int:
+        return int(self.utilization * self.total)
+
+    @property
+    def kv_cache(self) -> int:
+        return self.requested - self.weights - self.activations - self.cuda_graphs - self.non_torch
+
+    def summary(self) -> str:
+        """One start-up log line naming each part."""
+        parts = (
+            ("weights", self.weights), ("activation peak (profiled)", self.activations),
+            ("CUDA graph pool", self.cuda_graphs), ("non-torch memory", self.non_torch),
+        )  # fmt: skip
+        named = ", ".join(f"{name} {format_bytes(num)}" for name, num in parts)
+        return (
+            f"GPU memory: {self.utilization:.2f} x {format_bytes(self.total)} = "
+            f"{format_bytes(self.requested)}, less {named} = KV cache {format_bytes(self.kv_cache)}"
+        )
+
+
 def kv_budget_bytes(
     cache: CacheConfig,
     device: torch.device,
     weights_bytes: int,
     profile_peak_activation_bytes: Callable[[], int],
+    cuda_graph_pool_bytes: Callable[[], int] = lambda: 0,
 ) -> int:
     """Bytes for the KV cache.  Call after the weights are loaded (a CPU measures free RAM).
 
-    --kv-cache-memory wins.  On a GPU: utilization (default 0.9) x device memory - weights -
-    the peak activation memory of a profiling forward pass.  On a CPU: cpu_kv_budget_bytes."""
+    --kv-cache-memory wins.  On a GPU: GpuMemoryBudget, logged part by part (each callable
+    profiles on the device; the non-torch memory is measured after them).  On a CPU:
+    cpu_kv_budget_bytes."""
     if device.type == "cpu":
         return cpu_kv_budget_bytes(cache, weights_bytes, measure_host_memory())
     if cache.kv_cache_memory is not None:
@@ -94,16 +144,21 @@ def kv_budget_bytes(
     util = cache.gpu_memory_utilization
     if util is None:
         util = GPU_MEMORY_UTILIZATION_DEFAULT
-    total = platform.total_device_memory(device)
     activations = profile_peak_activation_bytes()
-    budget = int(util * total) - weights_bytes - activations
-    if budget <= 0:
+    graphs = cuda_graph_pool_bytes()
+    budget = GpuMemoryBudget(
+        total=platform.total_device_memory(device), utilization=util, weights=weights_bytes,
+        activations=activations, cuda_graphs=graphs,
+        non_torch=platform.non_torch_device_memory(device),
+    )  # fmt: skip
+    logger.info(budget.summary())
+    if budget.kv_cache <= 0:
         raise CapacityError(
-            f"no memory left for the KV cache: {util:.2f} x {format_bytes(total)} - weights "
-            f"{format_bytes(weights_bytes)} - activations {format_bytes(activations)} <= 0; "
-            "raise --gpu-memory-utilization or set --kv-cache-memory"
+            f"no memory left for the KV cache: {budget.summary()}; raise "
+            "--gpu-memory-utilization, set --kv-cache-memory, or --enforce-eager (no CUDA "
+            "graph pool)"
         )
-    return budget
+    return budget.kv_cache
 
 
 def cpu_kv_budget_bytes(cache: CacheConfig, weights_bytes: int, host: HostMemory) -> int:
@@ -198,3 +253,30 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> K
             "--gpu-memory-utilization, or use --kv-cache-dtype fp8 or int8"
         )
     return KVCacheSizing(spec, num_blocks, max_model_len)
+
+
+def size_host_tier(
+    sizing: KVCacheSizing, offloading_gib: float | None, device: torch.device, host: HostMemory
+) -> KVCacheSizing:
+    """`sizing` with the host tier's whole blocks in --kv-offloading-size GiB (none when
+    unset).  CapacityError when it would leave less than the headroom of host memory
+    available (on a CPU the KV cache, not allocated yet, comes out of the same RAM), or when
+    it holds not even one block."""
+    if offloading_gib is None:
+        return sizing
+    spec = sizing.spec
+    num_bytes = int(offloading_gib * GIB)
+    num_blocks = spec.num_blocks_in(num_bytes)
+    if num_blocks == 0:
+        raise ParameterError(
+            "--kv-offloading-size",
+            f"{offloading_gib} GiB holds no block of {format_bytes(spec.bytes_per_block)}",
+        )
+    room = host.max_kv_bytes - (sizing.num_bytes if device.type == "cpu" else 0)
+    if num_blocks * spec.bytes_per_block > room:
+        raise CapacityError(
+            f"--kv-offloading-size {offloading_gib} GiB would leave less than "
+            f"{_headroom_text(host)} of the {format_bytes(host.available)} of host memory "
+            f"available now; at most {max(0, room) / GIB:.2f} GiB fits"
+        )
+    return replace(sizing, num_host_blocks=num_blocks)

@@ -25,8 +25,11 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None) -> None:
-        """`on_evict(block_hash)` is called for every cached block evicted to make room."""
+    def __init__(
+        self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None
+    ) -> None:
+        """`on_evict(block_id, block_hash)` is called for every cached block evicted to make
+        room, before the block is handed out (its content is still intact)."""
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -77,7 +80,7 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
         if self._on_evict is not None:
-            self._on_evict(block_hash)
+            self._on_evict(block_id, block_hash)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a prefix-cache hit); revives free ones."""

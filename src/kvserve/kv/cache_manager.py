@@ -26,6 +26,11 @@ holds; ``take_events`` drains what was stored and removed (when events are on) a
 ``take_new_blocks`` the blocks cached since the last call (when persistence is on), both kept
 by kv/cache_log.py; ``load_cold_blocks`` registers blocks read back from disk as
 free-but-cached.
+* With a host tier (``num_host_blocks``, --kv-offloading-size; kv/host_tier.py) an evicted
+  cached block is copied to host memory instead of being lost, and ``find_cached_prefix``
+  continues the device run with blocks found there: ``allocate_slots`` gives each a fresh
+  device block, caches it again under its key and queues the host -> device copy
+  (``take_host_transfers``, drained by the scheduler into the step's output).
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -33,12 +38,13 @@ free-but-cached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.events import KVEvent
+from kvserve.kv.host_tier import HostTier, HostTransfers
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
 from kvserve.kv.prefix_cache import BlockHashes, PublicPrefixes, salted_namespace
 from kvserve.kv.spec import cdiv
@@ -46,8 +52,20 @@ from kvserve.kv.spec import cdiv
 
 @dataclass(frozen=True)
 class CachedPrefix:
+    """The longest cached prefix: device blocks first, then the keys of blocks that follow
+    them in the host tier (loaded into fresh device blocks by allocate_slots)."""
+
     block_ids: list[int]
-    num_tokens: int
+    num_tokens: int  # of both tiers
+    host_keys: tuple[bytes, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.host_keys)
+
+    @property
+    def num_host_tokens(self) -> int:
+        return self.num_tokens * len(self.host_keys) // self.num_blocks if self.host_keys else 0
 
 
 NO_PREFIX = CachedPrefix([], 0)
@@ -56,7 +74,8 @@ NO_PREFIX = CachedPrefix([], 0)
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which found cached
+    hits: int = 0  # of which found cached (in either tier)
+    host_hits: int = 0  # of the hits, those loaded from the host tier
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
 
@@ -70,9 +89,11 @@ class KVCacheManager:
         public_prefixes: Sequence[Sequence[int]] = (),
         enable_events: bool = False,
         track_new_blocks: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
-        token-id prefixes whose blocks are shared across cache salts."""
+        token-id prefixes whose blocks are shared across cache salts; `num_host_blocks` the
+        slots of the host tier (0: none)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key
@@ -85,6 +106,7 @@ class KVCacheManager:
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks)
         self._log = CacheLog(block_size, enable_events, track_new_blocks)
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,13 +148,28 @@ class KVCacheManager:
         if not self.enable_caching:
             return NO_PREFIX
         max_blocks = self._max_cached_blocks(len(token_ids))
+        keys = self._full_block_hashes(request_id, token_ids, cache_salt)[:max_blocks]
         block_ids: list[int] = []
-        for block_hash in self._full_block_hashes(request_id, token_ids, cache_salt)[:max_blocks]:
+        for block_hash in keys:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return CachedPrefix(block_ids, len(block_ids) * self.block_size)
+        host_keys = self._host_run(keys[len(block_ids) :])
+        num_tokens = (len(block_ids) + len(host_keys)) * self.block_size
+        return CachedPrefix(block_ids, num_tokens, host_keys)
+
+    def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
+        """The leading keys held by the host tier (and not on the device: a block after a
+        host hit may still be cached on the device, but the run goes on through the host)."""
+        if self.host is None:
+            return ()
+        run = []
+        for key in keys:
+            if key not in self.host or self.pool.lookup(key) is not None:
+                break
+            run.append(key)
+        return tuple(run)
 
     def hashes_computed_by(
         self,
@@ -159,7 +196,7 @@ class KVCacheManager:
         computation into a cache hit."""
         if not pending:
             return False
-        index = len(cached.block_ids)
+        index = cached.num_blocks
         if index >= self._max_cached_blocks(len(token_ids)):
             return False
         return self._full_block_hashes(request_id, token_ids, cache_salt)[index] in pending
@@ -185,23 +222,45 @@ class KVCacheManager:
         table = self.block_tables.get(request_id, [])
         assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
         num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_needed - len(table) - len(cached.block_ids))
+        num_host = len(cached.host_keys)
+        num_new_blocks = max(0, num_needed - len(table) - cached.num_blocks)
         shared = self._shared_block_index(table, num_computed_tokens)
         num_copies = int(shared is not None)
         available = self.pool.num_free_after_touch(cached.block_ids)
-        if num_new_blocks + num_copies + reserve_blocks > available:
+        if num_host + num_new_blocks + num_copies + reserve_blocks > available:
             return None
         if cached.block_ids:
             self.pool.touch(cached.block_ids)
         if shared is not None:
             self._copy_on_write(table, shared)
+        loaded = self._load_from_host(request_id, cached)
         new_block_ids = self.pool.allocate(num_new_blocks)
         if request_id not in self.block_tables:
             self.block_tables[request_id] = table
-            self._num_cached_blocks[request_id] = len(cached.block_ids)
+            self._num_cached_blocks[request_id] = cached.num_blocks
         table.extend(cached.block_ids)
+        table.extend(loaded)
         table.extend(new_block_ids)
-        return new_block_ids
+        return loaded + new_block_ids
+
+    def _load_from_host(self, request_id: str, cached: CachedPrefix) -> list[int]:
+        """Fresh device blocks for the host-tier hits of `cached`, cached again under their
+        keys, each with its host -> device copy queued.  The slots are pinned first: the
+        allocation may evict device blocks, whose offloads must not take these slots."""
+        keys = list(cached.host_keys)
+        if not keys:
+            return []
+        assert self.host is not None
+        self.host.pin(keys)
+        block_ids = self.pool.allocate(len(keys))
+        for key, block_id in zip(keys, block_ids, strict=True):
+            stored = self.pool.cache(block_id, key)
+            assert stored, "a host-tier hit was cached on the device meanwhile"
+            self.host.load(key, block_id)
+        start = len(cached.block_ids)
+        contents = self._block_hashes[request_id].contents[start : start + len(keys)]
+        self._misses.record_cached(contents, keys)
+        return block_ids
 
     def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
         """Index in `table` of the block the next token goes into, if other tables share it."""
@@ -221,6 +280,11 @@ class KVCacheManager:
         copies, self._block_copies = self._block_copies, []
         return copies
 
+    def take_host_transfers(self) -> HostTransfers:
+        """The host tier's (device block, host slot) copies for this step: offloads, then
+        loads, both before the CoW copies and the forward pass (none without a host tier)."""
+        return self.host.take_transfers() if self.host is not None else HostTransfers()
+
     def fork(self, src_request_id: str, dst_request_id: str, num_tokens: int) -> None:
         """Give `dst` (no table yet) references to the blocks holding src's first `num_tokens`
         tokens.  Shared partial blocks are copied when either side next writes to them."""
@@ -231,18 +295,22 @@ class KVCacheManager:
         num_cached = min(self._num_cached_blocks[src_request_id], num_tokens // self.block_size)
         self._num_cached_blocks[dst_request_id] = num_cached
 
-    def record_prefix_query(self, request_id: str, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one lookup (after `find_cached_prefix` for this request) and the reason of
-        every token it missed."""
+    def record_prefix_query(
+        self, request_id: str, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
+        """Count one lookup (after `find_cached_prefix` for this request), the hits of each
+        tier (`num_hit_tokens` counts both, `num_host_hit_tokens` the host tier's) and the
+        reason of every token it missed."""
         if not self.enable_caching:
             return
         stats = self.prefix_stats
         stats.queries += num_tokens
         stats.hits += num_hit_tokens
+        stats.host_hits += num_host_hit_tokens
         hashes = self._block_hashes[request_id]
         counts = self._misses.classify(
             hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,
-            self.pool.cached_keys,
+            _EitherTier(self.pool.cached_keys, self.host),
         )  # fmt: skip
         for reason, num in counts.items():
             stats.misses[reason] += num
@@ -279,10 +347,16 @@ class KVCacheManager:
         if stored and self._log.active:
             self._log.stored(stored, hashes.keys, hashes.contents, token_ids, table)
 
-    def _on_evict(self, key: bytes) -> None:
-        """The pool evicted a cached block to make room."""
-        self._misses.record_removed(key)
+    def _on_evict(self, block_id: int, key: bytes) -> None:
+        """The pool evicted a cached block to make room: its content moves to the host tier
+        when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
         self._log.evicted(key)
+        kept, dropped = self.host.offload(block_id, key) if self.host else (False, [])
+        if not kept:
+            self._misses.record_removed(key)
+        for old in dropped:  # gone from the host; still on the device, it is no miss yet
+            if self.pool.lookup(old) is None:
+                self._misses.record_removed(old)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no request holds (blocks in use stay cached); returns
@@ -291,6 +365,10 @@ class KVCacheManager:
         for key in dropped:
             self._misses.record_removed(key)
         self._log.dropped(dropped, none_left=self.pool.num_cached_blocks == 0)
+        if self.host is not None:
+            for key in self.host.clear():
+                if self.pool.lookup(key) is None:
+                    self._misses.record_removed(key)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:
@@ -340,6 +418,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """free + used = total; each block's ref count equals the tables that hold it."""
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         refs: dict[int, int] = {}
         for table in self.block_tables.values():
             assert len(set(table)) == len(table), "a table holds a block twice"
@@ -348,3 +428,15 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count of {block.block_id}"
         assert self.pool.num_free_blocks + len(refs) == self.pool.num_blocks
+
+
+class _EitherTier:
+    """`key in tiers`: cached on the device or held by the host tier (a miss classifier's
+    view of what is cached)."""
+
+    def __init__(self, device: Container[bytes], host: HostTier | None) -> None:
+        self._device = device
+        self._host = host
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._device or (self._host is not None and key in self._host)

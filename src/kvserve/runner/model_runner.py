@@ -7,6 +7,7 @@ It reads the scheduler output and never decides who runs.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillS
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
+from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan, describe
+from kvserve.runner.host_transfers import apply_host_transfers
 from kvserve.runner.sampling import SamplingBatch, sample
 from kvserve.step import (
     ModelRunnerOutput,
@@ -23,6 +26,8 @@ from kvserve.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+
+logger = logging.getLogger("kvserve")
 
 
 @dataclass(frozen=True)
@@ -101,15 +106,42 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        host_kv_caches: list[LayerKVCache] | None = None,
     ) -> None:
+        """`host_kv_caches`: the host tier's per-layer caches (--kv-offloading-size)."""
         self.model = model
         self.kv_caches = kv_caches
+        self.host_kv_caches = host_kv_caches
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.config.vocab_size
         self._shared_generator = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.cuda_graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, plan: GraphPlan, pad_block_id: int) -> None:
+        """Run decode steps through CUDA graphs from now on (runner/cuda_graphs.py); block
+        `pad_block_id` of the caches must be no part of the block pool.  On a CPU the same
+        padding runs eagerly (tests).  A capture that fails leaves the runner eager, with a
+        warning, never a failed start."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.backend, self.block_size, plan, pad_block_id
+        )
+        try:
+            seconds = graphs.capture(record=self.device.type == "cuda")
+        except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            logger.warning(
+                "CUDA graph capture failed, decoding eagerly (%s: %s)",
+                type(exc).__name__, first_line,
+            )  # fmt: skip
+            return
+        self.cuda_graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs for decode in %.1fs (pool %.1f MiB): %s",
+            len(plan.keys), seconds, graphs.pool_bytes / 2**20, describe(plan),
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """Run a 1-token and a 16-token prefill, so that torch.compile compiles (or loads from
@@ -125,6 +157,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self._generators.pop(request_id, None)
+        apply_host_transfers(
+            self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
+        )
         if output.block_copies:
             src, dst = torch.tensor(output.block_copies, device=self.device).unbind(1)
             for cache in self.kv_caches:
@@ -134,10 +169,12 @@ class ModelRunner:
         # Decodes first: the attention backend batches them in one call.
         requests = sorted(output.scheduled, key=lambda r: r.num_tokens > 1)
         batch = build_batch_input(requests, self.block_size, self.device)
-        metadata = build_attention_metadata(batch, self.block_size)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
-        )
+        hidden = self._run_graph(batch)
+        if hidden is None:
+            metadata = build_attention_metadata(batch, self.block_size)
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
+            )
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput({})
@@ -148,6 +185,15 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _run_graph(self, batch: BatchInput) -> torch.Tensor | None:
+        """Hidden states of a decode-only step through its CUDA graph; None: run eagerly."""
+        if self.cuda_graphs is None or batch.num_decodes != batch.input_ids.shape[0]:
+            return None
+        return self.cuda_graphs.run(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+            batch.block_tables,
+        )  # fmt: skip
 
     def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
         generators = [self._generator(r) for r in requests]

@@ -90,6 +90,15 @@ def total_device_memory(device: torch.device) -> int:
     return total_host_memory()
 
 
+def non_torch_device_memory(device: torch.device) -> int:
+    """Device memory in use that PyTorch's caching allocator does not hold: the CUDA context,
+    library workspaces, other processes (total - free - reserved by this process's torch)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

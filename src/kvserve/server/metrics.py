@@ -71,11 +71,40 @@ class _EngineStatsCollector(Collector):
         for reason, value in s.prefix_cache_misses.items():
             misses.add_metric([*self._labels.values(), reason], value)
         yield misses
+        yield from self._host_tier(s)
         info = GaugeMetricFamily(
             "kvserve:cache_config_info", "KV cache configuration.", labels=list(self._cache_info)
         )
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
+
+    def _host_tier(self, s: SchedulerStats) -> Iterator[Metric]:
+        """The prefix-cache hits of each tier, and the host tier's own figures (zeros without
+        --kv-offloading-size)."""
+        hits = CounterMetricFamily(
+            "kvserve:prefix_cache_tier_hits",
+            "Prompt tokens found in the prefix cache, by tier: device (the KV cache) or host "
+            "(--kv-offloading-size); they add up to prefix_cache_hits.",
+            labels=[*self._labels, "tier"],
+        )
+        device_hits = s.prefix_cache_hits - s.prefix_cache_host_hits
+        for tier, value in (("device", device_hits), ("host", s.prefix_cache_host_hits)):
+            hits.add_metric([*self._labels.values(), tier], value)
+        yield hits
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        rows = [
+            (gauge, "host_kv_cache_usage_perc", "Host tier usage (1 = every slot holds a block).",
+             s.host_kv_cache_usage),
+            (gauge, "num_host_blocks", "Blocks the host tier holds at most.", s.num_host_blocks),
+            (counter, "kv_offloaded_blocks", "Blocks copied from the KV cache to the host tier.",
+             s.num_offloaded_blocks),
+            (counter, "kv_loaded_blocks", "Blocks copied back from the host tier (its hits).",
+             s.num_loaded_blocks),
+        ]  # fmt: skip
+        for cls, name, doc, value in rows:
+            family = cls(f"kvserve:{name}", doc, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), value)
+            yield family
 
 
 class ServerMetrics:

@@ -81,6 +81,8 @@ class StatsLogger:
         if any(misses.values()):
             split = ", ".join(f"{reason} {num}" for reason, num in misses.items())
             line += f", Prefix cache misses (tokens): {split}"
+        if stats.num_host_blocks:
+            line += f", Host KV usage: {stats.host_kv_cache_usage:.1%}"
         preempted = now.preemptions - before.preemptions
         if preempted:
             line += f", Preemptions: {preempted}"

@@ -1,0 +1,143 @@
+"""The host tier (--kv-offloading-size) through the whole engine, on a CPU: a tiny device
+cache forces eviction and preemption; the blocks come back from host memory bit for bit, the
+greedy tokens equal a run without the tier, and the counters say which tier served them.
+
+Tiny random Llama (2 layers, 2 KV heads of 16 dims, float32): 512 bytes/token, 8 KiB a block
+of 16 tokens; the device cache holds 12 blocks (192 tokens), the host tier 1 MiB (128 blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.llm_engine import StepFailedError
+from kvserve.errors import ParameterError
+
+BLOCK = 16
+BLOCK_BYTES = BLOCK * 512
+HOST_GIB = 2**-10  # 1 MiB
+A = [(i * 7919) % 40000 + 7 for i in range(70)]  # 4 full blocks + 6 tokens
+B = [(i * 104729) % 40000 + 11 for i in range(150)]  # with its outputs: 10 blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):
+    """Sharp attention (initializer_range 0.1): wrong K/V would change the tokens."""
+    return str(tiny_model_dir("llama3", 0.1)[0])
+
+
+def make(tiny_dir, offloading: float | None, num_blocks: int = 12, **kw) -> LLM:
+    return LLM(
+        tiny_dir, dtype="float32", block_size=BLOCK, max_model_len=12 * BLOCK,
+        kv_cache_memory=num_blocks * BLOCK_BYTES, kv_offloading_size=offloading, **kw,
+    )  # fmt: skip
+
+
+def block_kv(llm: LLM, block_ids: list[int]) -> torch.Tensor:
+    """Every layer's K and V of these device blocks: [layers, 2, n, block, heads, dim]."""
+    ids = torch.tensor(block_ids)
+    return torch.stack([torch.stack((c.key[ids], c.value[ids])) for c in llm.engine.kv_caches])
+
+
+def generate(llm: LLM, request_id: str, prompt: list[int], max_tokens: int):
+    """(tokens, the K/V of the prompt's first 4 blocks right after its prefill)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(request_id, prompt, params)
+    engine.step()  # the whole prompt in one step
+    kv = block_kv(llm, engine.cache_manager.block_tables[request_id][:4])
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    return done[0].outputs[0].token_ids, kv
+
+
+def count_computed_tokens(llm: LLM) -> list[int]:
+    """A one-element list that sums the tokens the model computes from now on."""
+    total = [0]
+    execute = llm.engine.runner.execute
+
+    def counting(output):
+        total[0] += output.num_scheduled_tokens
+        return execute(output)
+
+    llm.engine.runner.execute = counting
+    return total
+
+
+def test_evicted_prefix_blocks_come_back_from_host_memory(tiny_dir):
+    llm, plain = make(tiny_dir, HOST_GIB), make(tiny_dir, None)
+    assert llm.engine.sizing.num_host_blocks == 128
+    assert "host tier: 128 blocks = 2,048 tokens (1.0 MiB)" in llm.engine.sizing.summary()
+    first, kv_first = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)  # 10 blocks: evicts A's last two full blocks to the host
+    stats = llm.engine.get_stats()
+    assert stats.num_offloaded_blocks == 2 and stats.num_loaded_blocks == 0
+    computed = count_computed_tokens(llm)
+    again, kv_again = generate(llm, "a2", A, 8)
+    stats = llm.engine.get_stats()
+    # 4 full blocks hit (the 70th token is computed): 2 on the device, 2 from the host.
+    assert stats.prefix_cache_hits == 64 and stats.prefix_cache_host_hits == 32
+    assert stats.num_loaded_blocks == 2
+    assert computed[0] == 6 + 7  # the 6 tokens after the hit, then 7 decodes
+    assert torch.equal(kv_again, kv_first)  # the very K/V computed the first time
+    assert again == first
+    assert generate(plain, "a", A, 8)[0] == first
+    generate(plain, "b", B, 8)
+    assert generate(plain, "a2", A, 8)[0] == first  # recomputed: the same tokens
+    assert plain.engine.get_stats().prefix_cache_hits == 32  # only the device's two blocks
+    llm.engine.cache_manager.check_invariants()
+
+
+def test_a_preempted_request_resumes_from_host_memory_without_recompute(tiny_dir):
+    prompts = [A[:60], B[:60]]  # 4 blocks each, growing to 9 with 70 outputs: 18 > 12
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    reference = make(tiny_dir, None, num_blocks=40).generate(prompts, params)
+    runs = {}
+    for offloading in (HOST_GIB, None):
+        llm = make(tiny_dir, offloading)
+        computed = count_computed_tokens(llm)
+        outputs = llm.generate(prompts, params)
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions == 1
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in reference
+        ]
+        runs[offloading] = (computed[0] - 2 * (60 + 70 - 1), stats)
+    recomputed, stats = runs[HOST_GIB]
+    # The preempted request resumes with every full block a hit, most from the host: it
+    # recomputes at most the tokens of its last, partial block.
+    assert 0 <= recomputed < BLOCK
+    assert stats.prefix_cache_host_hits > 0 and stats.num_loaded_blocks > 0
+    assert runs[None][0] > 2 * BLOCK  # without the tier, the evicted blocks are recomputed
+
+
+def test_a_step_failing_around_host_copies_forgets_both_tiers(tiny_dir):
+    """The copies may not have run: a block loaded from the host (or a slot written) could hold
+    anything.  The failed step's requests are aborted and nothing cached survives."""
+    llm = make(tiny_dir, HOST_GIB)
+    first, _ = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def failing(output):
+        if output.blocks_from_host:
+            raise RuntimeError("injected: the copies did not run")
+        return execute(output)
+
+    engine.runner.execute = failing
+    engine.add_request("a2", A, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(StepFailedError):
+        engine.step()
+    engine.runner.execute = execute
+    assert engine.cache_manager.host.num_used_slots == 0
+    assert engine.cache_manager.pool.num_cached_blocks == 0
+    assert generate(llm, "a3", A, 8)[0] == first  # recomputed from scratch
+    engine.cache_manager.check_invariants()
+
+
+def test_the_host_tier_needs_prefix_caching(tiny_dir):
+    with pytest.raises(ParameterError, match="--kv-offloading-size"):
+        make(tiny_dir, HOST_GIB, enable_prefix_caching=False)
