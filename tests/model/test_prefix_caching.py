@@ -75,3 +75,29 @@ def test_n4_shares_the_prompt_blocks_once_and_matches_separate_seeded_requests(t
         single = SamplingParams(temperature=1.0, seed=1234 + i, max_tokens=8, ignore_eos=True)
         assert llm.generate([prompt], single)[0].outputs[0].token_ids == sample
     assert engine.cache_manager.num_free_blocks == engine.sizing.num_blocks
+
+
+def test_shared_prefix_attended_once_gives_the_same_tokens(tiny_dir, monkeypatch):
+    """Six requests on one 160-token prefix, run together: every prefill of a suffix and
+    every decode splits attention at the shared blocks (attention/shared_prefix.py).  The
+    greedy tokens equal those of the same requests attended whole."""
+    from kvserve.attention import shared_prefix
+
+    prefix = [(i * 7919) % 40000 + 7 for i in range(160)]
+    prompts = [prefix + [100 + i] * (3 + i) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    calls = []
+    split = shared_prefix.attention_with_lse
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(shared_prefix, "attention_with_lse", counting)
+    llm = make(tiny_dir, True)
+    llm.generate([prefix], GREEDY)  # the prefix is cached before the six arrive
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls  # the split was taken
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 10**9)
+    whole = [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(prompts, params)]
+    assert together == whole

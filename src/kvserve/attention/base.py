@@ -35,6 +35,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B_d, max_blocks] block ids (padded with 0)
     decode_seq_lens: torch.Tensor  # [B_d] context length incl. the new token
     prefills: tuple[PrefillSpan, ...]
+    # Leading blocks that every sequence of the step shares and that precede all of its query
+    # tokens (a common prompt prefix); a backend may attend them once for all queries.
+    shared_prefix_blocks: int = 0
 
 
 class AttentionBackend(Protocol):

@@ -209,7 +209,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32]
+    fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr]
     fn.restype = i32
     return lib
 

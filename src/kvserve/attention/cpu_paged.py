@@ -15,6 +15,7 @@ import ctypes
 
 import torch
 
+from kvserve.attention import shared_prefix
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
@@ -51,28 +52,91 @@ class CpuPagedBackend(TorchRefBackend):
         self._kernel = load_paged_decode().paged_decode_attention
         self._luts = {name: fp8_lookup_table(name) for name in quant.FP8_TORCH_DTYPES}
 
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """The reference's contract; a step whose sequences share a long prefix attends it
+        once for all of them (shared_prefix.py)."""
+        block_size = kv_cache.key.shape[1]
+        num_seqs = metadata.num_decode_tokens + len(metadata.prefills)
+        if (
+            query.device.type != "cpu"
+            or metadata.shared_prefix_blocks * block_size < shared_prefix.MIN_SHARED_TOKENS
+            or num_seqs < shared_prefix.MIN_SEQUENCES
+        ):
+            return super().forward(query, key, value, kv_cache, metadata, scale)
+        kv_cache.write(metadata.slot_mapping, key, value)
+        return self._split_at_shared_prefix(query, kv_cache, metadata, scale)
+
+    def _split_at_shared_prefix(
+        self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        num_blocks = md.shared_prefix_blocks
+        prefix_len = num_blocks * kv_cache.key.shape[1]
+        first = md.decode_block_tables[0] if md.num_decode_tokens else md.prefills[0].block_table
+        keys, values = kv_cache.gather(first[:num_blocks], query.dtype)
+        out1, lse1 = shared_prefix.attention_with_lse(query, keys, values, None, scale)
+        out2 = torch.empty(query.shape, dtype=torch.float32)
+        lse2 = torch.empty(query.shape[:2], dtype=torch.float32)
+        d = md.num_decode_tokens
+        if d:
+            tables = md.decode_block_tables[:, num_blocks:]
+            lens = md.decode_seq_lens - prefix_len
+            out2[:d] = self._kernel_decode(query[:d], kv_cache, tables, lens, scale, lse2[:d])
+        for span in md.prefills:
+            rows = slice(span.query_start, span.query_end)
+            suffix_len = span.seq_len - prefix_len
+            keys, values = kv_cache.gather(span.block_table[num_blocks:], query.dtype)
+            keys, values = keys[:suffix_len], values[:suffix_len]
+            num_query = span.query_end - span.query_start
+            positions = torch.arange(suffix_len - num_query, suffix_len)
+            mask = torch.arange(suffix_len)[None, :] <= positions[:, None]
+            out, lse = shared_prefix.attention_with_lse(query[rows], keys, values, mask, scale)
+            out2[rows], lse2[rows] = out, lse
+        return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
+
     def _decode(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         if query.device.type != "cpu":
             return super()._decode(query, kv_cache, md, scale)
+        out = self._kernel_decode(
+            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None
+        )
+        return out.to(query.dtype)
+
+    def _kernel_decode(
+        self,
+        query: torch.Tensor,  # [B, H, D]
+        kv_cache: LayerKVCache,
+        block_tables: torch.Tensor,  # [B, max_blocks]
+        seq_lens: torch.Tensor,  # [B]
+        scale: float,
+        lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
+    ) -> torch.Tensor:  # [B, H, D] float32
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads, block_size = kv_cache.key.shape[2], kv_cache.key.shape[1]
         q = query.to(torch.float32).contiguous()
         out = torch.empty_like(q)
-        tables = md.decode_block_tables.to(torch.int64).contiguous()
-        seq_lens = md.decode_seq_lens.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
         lut = self._luts.get(kv_cache.kv_dtype) if kv_cache.quantized else None
         failed = self._kernel(
             _ptr(q), _ptr(out), _ptr(kv_cache.key), _ptr(kv_cache.value),
             _ptr(kv_cache.key_scale), _ptr(kv_cache.value_scale), _ptr(lut),
-            self._kind(kv_cache), _ptr(tables), _ptr(seq_lens),
+            self._kind(kv_cache), _ptr(tables), _ptr(lens),
             num_seqs, tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
-            block_size, scale, torch.get_num_threads(),
+            block_size, scale, torch.get_num_threads(), _ptr(lse),
         )  # fmt: skip
         if failed:
             raise MemoryError("paged decode attention: out of memory for its score buffer")
-        return out.to(query.dtype)
+        return out
 
     @staticmethod
     def _kind(kv_cache: LayerKVCache) -> int:

@@ -94,7 +94,20 @@ def build_attention_metadata(batch: BatchInput, block_size: int) -> AttentionMet
         decode_block_tables=batch.block_tables[:d],
         decode_seq_lens=batch.seq_lens[:d],
         prefills=tuple(prefills),
+        shared_prefix_blocks=shared_prefix_blocks(batch, block_size),
     )
+
+
+def shared_prefix_blocks(batch: BatchInput, block_size: int) -> int:
+    """Leading block ids common to every sequence of the step, counting only blocks wholly
+    before every sequence's first query token (all of them cached context)."""
+    if batch.block_tables.shape[0] < 2:
+        return 0
+    tables = batch.block_tables
+    common = int((tables == tables[:1]).all(0).int().cumprod(0).sum())
+    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    min_context = int((batch.seq_lens - query_lens).min())
+    return min(common, min_context // block_size)
 
 
 class ModelRunner:

@@ -15,6 +15,9 @@
  *   key/val scale  [num_blocks, block_size, num_kv_heads] float32 or NULL
  *   block_tables   [num_seqs, max_blocks] int64;  seq_lens [num_seqs] int64 (keys to attend)
  *   lut            256 floats for the fp8 formats (byte -> value), else NULL
+ *   lse            [num_seqs, num_kv_heads * group] float32 or NULL: each head's log-sum-exp
+ *                  of its scaled scores, to merge this part of the keys with another
+ *                  (attention/shared_prefix.py)
  *
  * Built by kvserve/attention/cpu_kernels.py with gcc -O3 -march=native -fopenmp; the OpenMP
  * runtime is the one torch already loaded (same soname), so the kernel shares its threads.
@@ -254,7 +257,7 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
                             const float *key_scale, const float *value_scale, const float *lut,
                             int kind, int elem_bytes, const int64_t *table, int64_t seq_len,
                             int num_kv_heads, int group, int dim, int block_size,
-                            float sm_scale, float *work) {
+                            float sm_scale, float *work, float *lse) {
     const int num_heads = num_kv_heads * group;
     const int64_t block_bytes = (int64_t)block_size * num_kv_heads * dim * elem_bytes;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
@@ -300,6 +303,7 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     for (int head = 0; head < num_heads; head++) {
         float inv = 1.0f / run_sum[head];
         for (int d = 0; d < dim; d++) out[(int64_t)head * dim + d] *= inv;
+        if (lse) lse[head] = run_max[head] + logf(run_sum[head]);
     }
 }
 
@@ -455,13 +459,14 @@ static inline void rows_to_bf16(int kind, const void *const *rows, int n, int di
 }
 
 /* Softmax of n scores in place (lanes beyond n are ignored): p = exp(s - max), returns 1 / sum. */
-static float softmax_in_place(float *s, int64_t n) {
+static float softmax_in_place(float *s, int64_t n, float *max_out) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
     __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
     mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + i));
-    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
+    *max_out = _mm512_reduce_max_ps(mx);
+    __m512 shift = _mm512_set1_ps(*max_out), sum = _mm512_setzero_ps();
     for (i = 0; i + 16 <= n; i += 16) {
         __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
         _mm512_storeu_ps(s + i, p);
@@ -486,7 +491,7 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
                                  const float *key_scale, const float *value_scale, int kind,
                                  const int64_t *table, int64_t seq_len, int num_kv_heads,
                                  int group, int dim, int block_size, float sm_scale,
-                                 float *work) {
+                                 float *work, float *lse) {
     const int num_heads = num_kv_heads * group, chunks = dim / 32, elem = kind == KV_BF16 ? 2 : 1;
     const int64_t row_stride = (int64_t)num_kv_heads * dim * elem;
     const int64_t block_bytes = block_size * row_stride;
@@ -529,9 +534,9 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
             }
         }
     }
-    float inv_sum[num_heads];
+    float inv_sum[num_heads], max_score[num_heads];
     for (int head = 0; head < num_heads; head++)
-        inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len);
+        inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len, &max_score[head]);
     memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 2: p x V */
         const char *block = (const char *)value + table[b] * block_bytes;
@@ -559,6 +564,7 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
         }
     }
     for (int head = 0; head < num_heads; head++) {
+        if (lse) lse[head] = max_score[head] - logf(inv_sum[head]);
         __m512 inv = _mm512_set1_ps(inv_sum[head]);
         for (int d = 0; d < dim; d += 16)
             _mm512_storeu_ps(out + (int64_t)head * dim + d,
@@ -577,7 +583,7 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
                            const float *key_scale, const float *value_scale, const float *lut,
                            int kind, const int64_t *block_tables, const int64_t *seq_lens,
                            int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
-                           int block_size, float sm_scale, int num_threads) {
+                           int block_size, float sm_scale, int num_threads, float *lse) {
     const int num_heads = num_kv_heads * group;
     /* general path: 2 * heads + group * block_size + 2 * block_size * dim; fast path:
      * 16 * group + 8 * dim (16 rows of bf16) + heads * round_up(longest, 16) scores */
@@ -607,14 +613,14 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
                 attend_sequence_fast(query + head0, out + head0, key, value, key_scale,
                                      value_scale, kind, block_tables + (int64_t)seq * max_blocks,
                                      seq_lens[seq], num_kv_heads, group, dim, block_size,
-                                     sm_scale, work);
+                                     sm_scale, work, lse ? lse + (int64_t)seq * num_heads : NULL);
                 continue;
             }
 #endif
             attend_sequence(query + head0, out + head0, key, value, key_scale, value_scale, lut,
                             kind, element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
                             seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,
-                            work);
+                            work, lse ? lse + (int64_t)seq * num_heads : NULL);
         }
         free(work);
     }

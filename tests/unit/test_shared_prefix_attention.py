@@ -1,0 +1,87 @@
+"""Attention split at a prefix that every sequence of the step shares (CPU backend): the
+shared blocks attended once for all queries, each suffix alone, merged by log-sum-exp; it
+must equal the reference, which attends each sequence over its whole table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import select_backend
+from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.request import SamplingParams
+from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
+from kvserve.step import ScheduledRequest
+from tests.unit.test_cpu_paged_attention import filled_cache
+
+pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+
+BLOCK = 16
+
+
+def scheduled(name: str, num_tokens: int, start: int, table: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=name, token_ids=[1] * num_tokens, start_position=start, block_table=table,
+        sample=True, sampling_params=SamplingParams(temperature=0.0), num_output_tokens=0,
+        eos_token_ids=frozenset(),
+    )  # fmt: skip
+
+
+def step(prefix_blocks: int, decode_lens: list[int], prefills: list[tuple[int, int]]):
+    """Decodes of the given context lengths and prefill chunks (cached, new), all starting
+    with the same `prefix_blocks` blocks; each suffix on blocks of its own."""
+    next_block = prefix_blocks
+    requests = []
+
+    def table(total: int) -> list[int]:
+        nonlocal next_block
+        own = -(-total // BLOCK) - prefix_blocks
+        next_block += own
+        return list(range(prefix_blocks)) + list(range(next_block - own, next_block))
+
+    for i, n in enumerate(decode_lens):
+        requests.append(scheduled(f"d{i}", 1, n - 1, table(n)))
+    for i, (cached, new) in enumerate(prefills):
+        requests.append(scheduled(f"p{i}", new, cached, table(cached + new)))
+    requests.sort(key=lambda r: r.num_tokens > 1)  # the runner's order: decodes first
+    return requests, next_block
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "decode_lens", "prefills"),
+    [
+        (9, 3, [300, 289, 257, 400, 333], []),  # decodes only
+        (9, 3, [], [(256, 32), (256, 17), (260, 5), (300, 40)]),  # prefill chunks only
+        (4, 2, [270, 290], [(288, 32), (256, 1), (300, 64)]),  # mixed
+        (8, 8, [513, 600, 700, 800], [(520, 3)]),  # no GQA
+    ],
+)
+def test_split_at_shared_prefix_equals_reference(kv_dtype, heads, kv_heads, decode_lens, prefills):
+    gen = torch.Generator().manual_seed(heads + len(decode_lens) * 7 + len(prefills))
+    requests, num_blocks = step(16, decode_lens, prefills)
+    batch = build_batch_input(requests, BLOCK, torch.device("cpu"))
+    md = build_attention_metadata(batch, BLOCK)
+    assert md.shared_prefix_blocks == 16  # found by the runner from the block tables
+    dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+    cache = filled_cache(kv_dtype, num_blocks + 1, BLOCK, kv_heads, 64, gen)
+    tokens = batch.input_ids.shape[0]
+    query = torch.randn(tokens, heads, 64, generator=gen).to(dtype)
+    key = torch.randn(tokens, kv_heads, 64, generator=gen).to(dtype)
+    value = torch.randn(tokens, kv_heads, 64, generator=gen).to(dtype)
+    expected = TorchRefBackend().forward(query, key, value, cache, md, 0.125)
+    got = select_backend("cpu-paged", torch.device("cpu")).forward(
+        query, key, value, cache, md, 0.125
+    )
+    assert got.dtype == dtype
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_no_shared_prefix_when_a_sequence_has_no_cached_context():
+    """A fresh prefill shares no cached blocks with anyone: nothing is split."""
+    requests, _ = step(16, [300, 300, 300], [])
+    requests.append(scheduled("fresh", 64, 0, [900, 901, 902, 903]))
+    md = build_attention_metadata(build_batch_input(requests, BLOCK, torch.device("cpu")), BLOCK)
+    assert md.shared_prefix_blocks == 0
