@@ -68,10 +68,10 @@ def test_request_queue_keeps_fcfs_order_and_removes_from_anywhere():
     assert queue.remove(b) and not queue.remove(b)
     assert [r.request_id for r in queue] == ["a", "c"] and b not in queue and a in queue
     queue.appendleft(d)
-    queue.extendleft_in_order([b, _request("e")])
-    assert [r.request_id for r in queue] == ["b", "e", "d", "a", "c"]
-    assert queue.popleft() is b and len(queue) == 4
-    for _ in range(4):
+    queue.appendleft(b)
+    assert [r.request_id for r in queue] == ["b", "d", "a", "c"]
+    assert queue.popleft() is b and len(queue) == 3
+    for _ in range(3):
         queue.popleft()
     assert not queue
     with pytest.raises(IndexError):

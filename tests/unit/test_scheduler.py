@@ -247,19 +247,55 @@ def test_siblings_of_an_aborted_source_compute_their_own_prompt():
     assert len(outputs["p-1"]) == 4
 
 
-def test_request_waits_one_step_for_a_prefix_computed_in_the_same_step():
+def test_request_reads_a_prefix_computed_in_the_same_step():
+    """b's first 2 blocks are a's, which a computes in this very step: b is admitted in the
+    same step over a's blocks and computes only its own 3 tokens (every token of a step is
+    written before any is read, which the fake runner models); its tokens equal b's alone."""
     s = make_scheduler(block_size=4, budget=64)
     shared = list(range(1, 9))  # 2 full blocks
     s.add_request(Request("a", shared + [20, 21], SamplingParams(max_tokens=2)))
     s.add_request(Request("b", shared + [30, 31, 32], SamplingParams(max_tokens=2)))
-    s.add_request(Request("c", [99] * 6, SamplingParams(max_tokens=2)))  # unrelated: not held up
+    s.add_request(Request("c", [99] * 6, SamplingParams(max_tokens=2)))  # unrelated
     runner = FakeRunner(4)
     out = s.schedule()
-    assert [x.request_id for x in out.scheduled] == ["a", "c"]
+    assert [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled] == [
+        ("a", 10, 0), ("b", 3, 8), ("c", 6, 0)
+    ]  # fmt: skip
+    table = {x.request_id: x.block_table for x in out.scheduled}
+    assert table["b"][:2] == table["a"][:2]
+    assert s.requests["b"].num_cached_tokens == 8
+    s.update_from_output(out, runner.execute(out))
+    outputs = run(s, runner)
+    alone = make_scheduler(block_size=4, budget=64)
+    alone.add_request(Request("b", shared + [30, 31, 32], SamplingParams(max_tokens=2)))
+    assert outputs["b"] == run(alone, FakeRunner(4))["b"]
+
+
+def test_only_the_blocks_a_chunk_completes_in_the_step_are_shared():
+    """a's 13-token prompt is chunked (budget 9): step 1 completes its blocks 0-1 and half of
+    block 2, so b (same 12 tokens, then its own) waits behind the budget; in step 2 a
+    finishes block 2 and b, admitted beside it, reads blocks 0-1 from the cache and block 2
+    from a's step: it computes its last token only."""
+    s = make_scheduler(block_size=4, budget=9)
+    shared = list(range(1, 13))  # 3 full blocks
+    s.add_request(Request("a", shared + [20], SamplingParams(max_tokens=1)))
+    b = Request("b", shared + [30], SamplingParams(max_tokens=1))
+    s.add_request(b)
+    runner = FakeRunner(4)
+    out = s.schedule()
+    assert [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled] == [("a", 9, 0)]
     s.update_from_output(out, runner.execute(out))
     out = s.schedule()
-    assert ("b", 3, 8) in [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled]
-    assert s.requests["b"].num_cached_tokens == 8
+    assert [(x.request_id, x.num_tokens, x.start_position) for x in out.scheduled] == [
+        ("a", 4, 9), ("b", 1, 12)
+    ]  # fmt: skip
+    table = {x.request_id: x.block_table for x in out.scheduled}
+    assert table["b"][:3] == table["a"][:3]
+    s.update_from_output(out, runner.execute(out))
+    run(s, runner)
+    alone = make_scheduler(block_size=4, budget=9)
+    alone.add_request(Request("b", shared + [30], SamplingParams(max_tokens=1)))
+    assert b.output_token_ids == run(alone, FakeRunner(4))["b"]
 
 
 DEFAULT_RESERVE_STEP = scheduler_module.GROWTH_RESERVE_STEP

@@ -24,14 +24,9 @@ class RequestQueue:
         self._requests[request.request_id] = request
 
     def appendleft(self, request: Request) -> None:
-        """Queue at the front (a preempted request, or one that must wait a step)."""
+        """Queue at the front (a preempted request, or one the pool cannot take yet)."""
         self._requests[request.request_id] = request
         self._requests.move_to_end(request.request_id, last=False)
-
-    def extendleft_in_order(self, requests: Iterable[Request]) -> None:
-        """Put `requests` at the front, keeping their order (the first ends up first)."""
-        for request in reversed(list(requests)):
-            self.appendleft(request)
 
     def extend(self, requests: Iterable[Request]) -> None:
         for request in requests:

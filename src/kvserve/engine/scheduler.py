@@ -163,28 +163,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit waiting requests in order.  One whose next uncached block is being computed in
-        this very step by another request waits a step: it will then find it cached instead of
-        computing the same prefix again (many requests with one system prompt arrive together)."""
+        """Admit waiting requests in order.  A request whose next uncached blocks are being
+        computed in this very step by another request reads them from there and computes only
+        what follows (many requests with one system prompt arrive together: the first computes
+        the prompt, the others their own suffixes, all in the first step)."""
         cm = self.cache_manager
         in_flight = self._blocks_in_flight(scheduled)
-        deferred: list[Request] = []
         growth = sum(self._growth_blocks(r, cm.num_blocks_of(r.request_id)) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
-            cached = (
-                NO_PREFIX
-                if forked
-                else cm.find_cached_prefix(
-                    request.request_id, request.all_token_ids, request.cache_salt
-                )
-            )
-            if not forked and cm.next_block_pending(
-                request.request_id, request.all_token_ids, cached, in_flight, request.cache_salt
-            ):
-                deferred.append(request)
-                continue
+            cached = NO_PREFIX
+            if not forked:
+                rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
+                cached = cm.find_cached_prefix(rid, tokens, salt)
+                cached = cm.extend_with_in_flight(rid, tokens, cached, in_flight, salt)
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
             own_growth = self._growth_blocks(request, cdiv(num_computed + num_new, cm.block_size))
@@ -201,9 +194,10 @@ class Scheduler:
                     cached.num_host_tokens,
                 )  # fmt: skip
                 in_flight.update(
-                    cm.hashes_computed_by(
-                        request.request_id, request.all_token_ids, num_computed, request.cache_salt
-                    )
+                    cm.blocks_computed_in_step(
+                        request.request_id, request.all_token_ids, num_computed, num_new,
+                        request.cache_salt,
+                    )  # fmt: skip
                 )
             if request.num_cached_tokens < 0:  # first admission: what the cache supplied
                 request.num_cached_tokens = 0 if forked else cached.num_tokens
@@ -213,7 +207,6 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             growth += own_growth
-        self.waiting.extendleft_in_order(deferred)
         return budget
 
     def _growth_blocks(self, request: Request, num_blocks_held: int) -> int:
@@ -225,21 +218,20 @@ class Scheduler:
             longest = min(longest, request.num_prompt_tokens + max_tokens)
         return max(0, cdiv(longest, self.cache_manager.block_size) - num_blocks_held)
 
-    def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
-        """Keys of the full blocks that this step's prefills compute (not yet in the cache)."""
-        hashes: set[bytes] = set()
+    def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> dict[bytes, int]:
+        """Key -> block id of the full blocks that this step's prefills complete (not yet in
+        the cache)."""
+        blocks: dict[bytes, int] = {}
         for item in scheduled:
             if item.num_tokens > 1:
                 request = self.requests[item.request_id]
-                hashes.update(
-                    self.cache_manager.hashes_computed_by(
-                        item.request_id,
-                        request.all_token_ids,
-                        item.start_position,
-                        request.cache_salt,
+                blocks.update(
+                    self.cache_manager.blocks_computed_in_step(
+                        item.request_id, request.all_token_ids, item.start_position,
+                        item.num_tokens, request.cache_salt,
                     )  # fmt: skip
                 )
-        return hashes
+        return blocks
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

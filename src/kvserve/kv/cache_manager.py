@@ -11,8 +11,9 @@ One request's tokens and blocks (block_size 4):
 * ``allocate_slots`` grows the table to hold ``num_computed + num_new`` tokens: all or nothing.
 * ``cache_full_blocks`` hashes blocks that became full once their tokens were computed.
 * ``free`` drops the request's references, tail first, so chain tails are evicted first.
-* ``hashes_computed_by`` / ``next_block_pending`` let a scheduler hold back a request whose
-  next block another request is computing right now, without knowing how blocks are hashed.
+* ``blocks_computed_in_step`` / ``extend_with_in_flight`` let a request admitted in a step read
+  the prefix blocks another request computes in that same step, without the scheduler
+  knowing how blocks are hashed.
 
 The scheduler uses only these methods (and ``block_table``, ``num_blocks_of``,
 ``take_block_copies``, ``record_prefix_query`` and the usage figures): every hashing rule,
@@ -171,35 +172,48 @@ class KVCacheManager:
             run.append(key)
         return tuple(run)
 
-    def hashes_computed_by(
+    def blocks_computed_in_step(
         self,
         request_id: str,
         token_ids: Sequence[int],
         start_token: int,
+        num_tokens: int,
         cache_salt: str | None = None,
-    ) -> list[bytes]:
-        """Keys of the full blocks a prefill from `start_token` on will compute and cache (none
-        with caching off): a scheduler uses them to spot requests about to share a prefix."""
+    ) -> dict[bytes, int]:
+        """Key -> block id of the full blocks that computing tokens [start_token, start_token +
+        num_tokens) of an allocated request completes (none with caching off): another request
+        admitted in the same step may read them (extend_with_in_flight)."""
         keys = self._full_block_hashes(request_id, token_ids, cache_salt)
-        return keys[start_token // self.block_size :]
+        first, end = start_token // self.block_size, (start_token + num_tokens) // self.block_size
+        table = self.block_tables[request_id]
+        return {keys[i]: table[i] for i in range(first, min(end, len(keys)))}
 
-    def next_block_pending(
+    def extend_with_in_flight(
         self,
         request_id: str,
         token_ids: Sequence[int],
         cached: CachedPrefix,
-        pending: set[bytes],
+        in_flight: dict[bytes, int],
         cache_salt: str | None = None,
-    ) -> bool:
-        """True when the request's first block after `cached` could be a hit and is among
-        `pending` (being computed by another request this step): waiting one step turns its
-        computation into a cache hit."""
-        if not pending:
-            return False
-        index = cached.num_blocks
-        if index >= self._max_cached_blocks(len(token_ids)):
-            return False
-        return self._full_block_hashes(request_id, token_ids, cache_salt)[index] in pending
+    ) -> CachedPrefix:
+        """`cached` continued by the blocks that other requests compute in this very step
+        (blocks_computed_in_step): the request then computes only what follows them.  This is
+        sound because every layer writes all of a step's K/V before any of its attention reads,
+        so the prefix is in place by the time the request's own tokens attend to it (many
+        requests with one system prompt arriving together share it from the first step)."""
+        if not in_flight or cached.host_keys:
+            return cached
+        keys = self._full_block_hashes(request_id, token_ids, cache_salt)
+        limit = self._max_cached_blocks(len(token_ids))
+        extra: list[int] = []
+        for key in keys[len(cached.block_ids) : limit]:
+            if key not in in_flight:
+                break
+            extra.append(in_flight[key])
+        if not extra:
+            return cached
+        block_ids = cached.block_ids + extra
+        return CachedPrefix(block_ids, len(block_ids) * self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in token order."""
