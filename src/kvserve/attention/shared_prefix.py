@@ -18,28 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.torch_ref import group_queries, grouped_kv, ungroup
+
 # Below this many shared tokens, or this few sequences, the split is not worth its extra
 # passes (the per-sequence kernel is already cheap).
 MIN_SHARED_TOKENS = 128
 MIN_SEQUENCES = 4
-
-
-def fold_heads(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[L, H, D] -> [1, Hkv, group x L, D]: each KV head's query heads as one longer query, so
-    SDPA attends them without repeated K/V."""
-    num_query, num_heads, head_dim = query.shape
-    group = num_heads // num_kv_heads
-    folded = query.view(num_query, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    return folded.reshape(1, num_kv_heads, group * num_query, head_dim)
-
-
-def unfold_heads(x: torch.Tensor, num_query: int) -> torch.Tensor:
-    """fold_heads' inverse for an output [1, Hkv, group x L, D] or log-sum-exp [1, Hkv, group x L]:
-    -> [L, H, D] or [L, H]."""
-    num_kv_heads = x.shape[1]
-    rest = x.shape[3:]
-    x = x[0].reshape(num_kv_heads, -1, num_query, *rest).movedim(2, 0)
-    return x.reshape(num_query, -1, *rest)
 
 
 def attention_with_lse(
@@ -51,20 +35,20 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and each (token, head)'s log-sum-exp of its scaled scores: ([L, H, D] in the
     query's dtype, [L, H] float32)."""
-    num_query, num_kv_heads = query.shape[0], keys.shape[1]
+    num_kv_heads = keys.shape[1]
     group = query.shape[1] // num_kv_heads
     attn_mask = None
     if mask is not None:  # the raw kernel takes an additive mask in the query's dtype
         bias = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
-        attn_mask = bias.repeat(group, 1)[None, None]
+        attn_mask = bias[None, None]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        fold_heads(query, num_kv_heads),
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
+        group_queries(query, num_kv_heads),
+        grouped_kv(keys, group),
+        grouped_kv(values, group),
         attn_mask=attn_mask,
         scale=scale,
     )
-    return unfold_heads(out, num_query), unfold_heads(lse, num_query)
+    return ungroup(out), ungroup(lse)
 
 
 def merge(
