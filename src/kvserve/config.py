@@ -283,6 +283,19 @@ class SchedulerConfig:
             raise ParameterError("--max-model-len", "must be positive")
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ParameterError(
+                "--cpu-threads-bind", f"expected auto, all or a CPU list like 0-3,8; got {text!r}"
+            )
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(cpus))
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """Which checkpoint to load, and how."""
@@ -323,8 +336,19 @@ class LoadConfig:
             "Default: off, or on when KVSERVE_ENFORCE_EAGER=1."
         ),
     )
+    cpu_threads_bind: str = field(
+        default="auto",
+        metadata=_help(
+            "CPU compute threads (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (every CPU on up to "
+            "2 physical cores; beyond, one pinned thread per physical core, the first core "
+            "left to HTTP and tokenization), all (every CPU, unpinned), or a CPU list such as "
+            "0-7,16 (one pinned thread per CPU, the rest left to the server)."
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.cpu_threads_bind not in ("auto", "all"):
+            parse_cpu_list(self.cpu_threads_bind)  # ParameterError naming the flag
         if self.dtype not in MODEL_DTYPES:
             raise ParameterError("--dtype", f"must be one of {', '.join(MODEL_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -29,6 +29,7 @@ class FakeEngine:
         self.num_waiting_sequences = 0
         self.num_steps = 0
         self.threads: set[int] = set()
+        self.cpu_threads = None  # LLMEngine's thread plan: None leaves threads where they are
 
     def _touch(self) -> None:
         self.threads.add(threading.get_ident())

@@ -36,7 +36,9 @@ from kvserve.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "omp_affinity.c")
+)
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
     # Let the dot products vectorize (reassociation) without -ffast-math's process-wide
@@ -122,7 +124,7 @@ def _cpuinfo_features() -> str:
 
 def library_name(compiler: str, features: str) -> str:
     """A content key: source, compiler, flags, machine type and ISA features."""
-    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES))
     digest.update(" ".join((compiler, *_FLAGS, platform.machine())).encode())
     digest.update(features.encode())
     return f"paged_decode-{digest.hexdigest()[:16]}.so"
@@ -196,7 +198,7 @@ def _build_and_open(compiler: str, target: Path) -> ctypes.CDLL:
 
 def _compile(compiler: str, output: Path) -> None:
     """The linker creates its output with the umask's mode: set 0700 (owner only)."""
-    cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(output), "-lm"]
+    cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(output), "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise KernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
@@ -211,6 +213,7 @@ def _open(path: Path) -> ctypes.CDLL:
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr]
     fn.restype = i32
+    lib.bind_omp_threads.argtypes, lib.bind_omp_threads.restype = [ptr, i32], i32
     return lib
 
 

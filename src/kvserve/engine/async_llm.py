@@ -33,6 +33,7 @@ from typing import Any
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
+from kvserve.runner import platform
 from kvserve.step import RequestOutput, SchedulerStats
 
 logger = logging.getLogger("kvserve")
@@ -83,7 +84,11 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
 
     def start(self) -> None:
+        """Start the engine thread; the calling thread (the server's event loop, and the
+        tokenizer threads it starts later) then moves off the compute CPUs when
+        --cpu-threads-bind reserves some for it."""
         self._thread.start()
+        platform.bind_server_threads(self.engine.cpu_threads)
 
     @property
     def is_running(self) -> bool:
@@ -178,6 +183,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
+            platform.bind_compute_threads(self.engine.cpu_threads)  # this thread's own team
             while not self._stopping:
                 self._run_commands()
                 if not self.engine.has_unfinished_requests():

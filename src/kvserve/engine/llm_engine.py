@@ -97,7 +97,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         started = time.monotonic()
         self.config = config
-        platform.set_cpu_threads()
+        # How torch's CPU threads are placed (runner/platform.py); the thread that steps the
+        # engine, if not this one, pins its own team with platform.bind_compute_threads.
+        self.cpu_threads = platform.set_cpu_threads(config.load.cpu_threads_bind)
         checkpoint = checkpoint or load_checkpoint(config.load.model)
         self.model_name = checkpoint.name
         self.model_config = checkpoint.config

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from kvserve.config import parse_cpu_list
 from kvserve.errors import ParameterError
 
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3  # vLLM's CPU backend default
@@ -124,13 +128,99 @@ def _read_cgroup_bytes(name: str, root: str = "/sys/fs/cgroup") -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def set_cpu_threads() -> None:
-    """Use every core the process may run on (torch's default can count hyper-threads), unless
-    OMP_NUM_THREADS says otherwise: on a shared machine fewer threads avoid waiting on a
-    descheduled sibling thread (measured 7-15x slower with 2 threads on 2 busy cores)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
+@dataclass(frozen=True)
+class CpuThreadPlan:
+    """Where a CPU engine computes: one torch thread per entry of `compute_cpus`, each pinned
+    to its CPU when `pin`; the server's other threads (event loop, tokenizers) on
+    `server_cpus` (empty: wherever the OS puts them)."""
+
+    compute_cpus: tuple[int, ...]
+    pin: bool
+    server_cpus: tuple[int, ...] = ()
+
+
+def physical_core_of(cpu: int, sysfs: str = "/sys/devices/system/cpu") -> tuple[str, str]:
+    """(package, core) of a logical CPU: hyper-threads of one core share it."""
+    topology = os.path.join(sysfs, f"cpu{cpu}", "topology")
     try:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    except AttributeError:
-        pass
+        with open(os.path.join(topology, "physical_package_id"), encoding="ascii") as f:
+            package = f.read().strip()
+        with open(os.path.join(topology, "core_id"), encoding="ascii") as f:
+            return package, f.read().strip()
+    except OSError:
+        return "", str(cpu)  # no topology: every CPU its own core
+
+
+def plan_cpu_threads(
+    spec: str, allowed: list[int], core_of: Callable[[int], tuple[str, str]] = physical_core_of
+) -> CpuThreadPlan:
+    """--cpu-threads-bind: `all` computes on every allowed CPU, unpinned (hyper-threads
+    included); a CPU list pins one compute thread per listed CPU and leaves the rest to the
+    server; `auto` is `all` on up to 2 physical cores (each is needed for compute), and beyond
+    that one pinned thread per physical core, minus the first core, which serves HTTP,
+    streaming and tokenization so they never preempt a compute thread (vLLM's CPU backend
+    reserves a core likewise)."""
+    if spec == "all":
+        return CpuThreadPlan(tuple(allowed), pin=False)
+    if spec != "auto":
+        cpus = parse_cpu_list(spec)
+        outside = sorted(set(cpus) - set(allowed))
+        if outside:
+            raise ParameterError(
+                "--cpu-threads-bind",
+                f"CPUs {outside} are not available to this process (it may use {allowed})",
+            )
+        rest = tuple(c for c in allowed if c not in cpus)
+        return CpuThreadPlan(tuple(cpus), pin=True, server_cpus=rest)
+    first_of_core: dict[tuple[str, str], int] = {}
+    for cpu in allowed:
+        first_of_core.setdefault(core_of(cpu), cpu)
+    if len(first_of_core) <= 2:
+        return CpuThreadPlan(tuple(allowed), pin=False)
+    cores = list(first_of_core)
+    server = tuple(c for c in allowed if core_of(c) == cores[0])
+    return CpuThreadPlan(tuple(first_of_core[c] for c in cores[1:]), pin=True, server_cpus=server)
+
+
+def set_cpu_threads(spec: str = "auto") -> CpuThreadPlan | None:
+    """Size torch's CPU threads by --cpu-threads-bind (plan_cpu_threads) and pin this thread's
+    OpenMP team when the plan pins; None when OMP_NUM_THREADS decides (it is honoured as it
+    is: on a shared machine fewer threads avoid waiting on a descheduled sibling thread,
+    measured 7-15x slower with 2 threads on 2 busy cores).  The thread that later runs the
+    engine's steps calls bind_compute_threads again: each thread has its own OpenMP team."""
+    if os.environ.get("OMP_NUM_THREADS") and spec == "auto":
+        return None
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: torch's default
+        return None
+    plan = plan_cpu_threads(spec, allowed)
+    torch.set_num_threads(len(plan.compute_cpus))
+    bind_compute_threads(plan)
+    return plan
+
+
+def bind_compute_threads(plan: CpuThreadPlan | None) -> None:
+    """Pin the calling thread's OpenMP team (torch's CPU threads when this thread runs the
+    model) one thread per compute CPU; nothing for an unpinned plan."""
+    if plan is None or not plan.pin:
+        return
+    from kvserve.attention.cpu_kernels import KernelBuildError, load_paged_decode
+
+    cpus = (ctypes.c_int * len(plan.compute_cpus))(*plan.compute_cpus)
+    try:
+        failed = load_paged_decode().bind_omp_threads(cpus, len(plan.compute_cpus))
+    except (KernelBuildError, OSError) as exc:
+        raise ParameterError(
+            "--cpu-threads-bind", f"pinning needs the C kernel library, which failed: {exc}"
+        ) from exc
+    if failed:
+        raise ParameterError(
+            "--cpu-threads-bind", f"could not pin compute threads to CPUs {plan.compute_cpus}"
+        )
+
+
+def bind_server_threads(plan: CpuThreadPlan | None) -> None:
+    """Keep the calling thread (and the threads it starts later) on the server's CPUs."""
+    if plan is not None and plan.server_cpus:
+        os.sched_setaffinity(0, plan.server_cpus)
