@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention.base import AttentionMetadata
@@ -40,7 +41,7 @@ class FlexAttentionBackend:
         self.compiled = compiled
         self.layout = layout
         self._attend: Callable[..., torch.Tensor] = (
-            torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+            torch.compile(flex_attention, dynamic=True) if compiled else eager_flex_attention
         )
         self._cached_plan: tuple[AttentionMetadata, tuple[object, ...], object] | None = None
 
@@ -58,7 +59,7 @@ class FlexAttentionBackend:
         out = torch.empty_like(query)
         for call in (plan.decode, plan.prefill):
             if call is not None:
-                keys, values = kv_source(kv_cache, call.gather, query.dtype)
+                keys, values = kv_source(kv_cache, call, key, value, query.dtype)
                 self._run(call, query, keys, values, scale, out)
         return out
 
@@ -109,11 +110,25 @@ class FlexAttentionBackend:
                 "flex attention: torch.compile failed, running it eagerly (%s: %s)",
                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
             )  # fmt: skip
-            self.compiled, self._attend = False, flex_attention
-            o = flex_attention(*args, **kwargs)
+            self.compiled, self._attend = False, eager_flex_attention
+            o = eager_flex_attention(*args, **kwargs)
         o = o.transpose(1, 2)  # [B, L_max, H, D]
         valid = call.rows >= 0
         out[call.rows[valid]] = o[valid].to(out.dtype)
+
+
+def eager_flex_attention(*args: object, **kwargs: object) -> torch.Tensor:
+    """flex_attention's reference implementation, called directly.  Uncompiled, flex_attention
+    still traces its operator through torch.compile's eager backend at every new shape; that
+    tracing was 60% of the CPU time of tests/unit/test_flex_attention.py (32 s -> 13 s without
+    it).  PyTorch's own switch for this is a module flag (its "debug" mode, meant for
+    inference-only use like ours); it is set for the call only."""
+    previous = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        return flex_attention(*args, **kwargs)  # type: ignore[arg-type]
+    finally:
+        flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
 
 
 def kernel_options(device: torch.device, block_size: int) -> dict[str, int] | None:
@@ -125,18 +140,26 @@ def kernel_options(device: torch.device, block_size: int) -> dict[str, int] | No
 
 
 def kv_source(
-    kv_cache: LayerKVCache, gather: torch.Tensor | None, dtype: torch.dtype
+    kv_cache: LayerKVCache,
+    call: FlexCall,
+    key: torch.Tensor,  # [T, kv_heads, head_dim] this step's keys
+    value: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [1 or B, kv_heads, slots, head_dim]: the cache itself (gather None), or the
-    blocks listed in `gather` ([U] or [B, W]), dequantized to `dtype`."""
-    if gather is None:
+    """K and V as [1 or B, kv_heads, slots, head_dim]: the cache itself (call.gather None), or
+    the blocks listed in call.gather ([U] or [B, W]) dequantized to `dtype`, with the fresh
+    spans' own K/V put back over their rounded copies."""
+    if call.gather is None:
         num_blocks, block_size, heads, dim = kv_cache.key.shape
-        key, value = (
+        return tuple(  # type: ignore[return-value]
             t.view(1, num_blocks * block_size, heads, dim).transpose(1, 2)
             for t in (kv_cache.key, kv_cache.value)
         )
-        return key, value
-    keys, values = kv_cache.gather(gather, dtype)  # [(B,) n * block_size, heads, dim]
-    if gather.dim() == 1:
-        keys, values = keys[None], values[None]
-    return keys.transpose(1, 2), values.transpose(1, 2)
+    gathered = kv_cache.gather(call.gather, dtype)  # new tensors [(B,) n * bs, heads, dim]
+    out = []
+    for source, new in zip(gathered, (key, value), strict=True):
+        if call.fresh_rows is not None and len(call.fresh_rows):
+            flat = source.view(-1, *source.shape[-2:])
+            flat.index_copy_(0, call.fresh_slots, new[call.fresh_rows].to(dtype))
+        out.append((source if call.gather.dim() == 2 else source[None]).transpose(1, 2))
+    return out[0], out[1]

@@ -44,6 +44,10 @@ class FlexCall:
     block_mask: BlockMask
     rows: torch.Tensor  # [B, L_max] flat query row of each padded row; -1 for padding
     gather: torch.Tensor | None  # None: in place; [U]: shared blocks; [B, W]: per sequence
+    # Spans with nothing cached attend over their own fresh K/V, as the reference does (for an
+    # 8-bit cache: before quantization): flat query rows and their slots in the gathered keys.
+    fresh_rows: torch.Tensor | None = None  # [N]
+    fresh_slots: torch.Tensor | None = None  # [N] index into the gathered keys' flat rows
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def plan_step(
     if metadata.num_decode_tokens:
         decode = plan_call(_decode_group(metadata), num_blocks, block_size, layout)
     if metadata.prefills:
-        prefill = plan_call(_prefill_group(metadata), num_blocks, block_size, layout)
+        group = _prefill_group(metadata)
+        prefill = plan_call(group, num_blocks, block_size, layout, fresh_spans=True)
     return FlexPlan(decode, prefill)
 
 
@@ -104,7 +109,11 @@ def _prefill_group(md: AttentionMetadata) -> _Group:
     )
 
 
-def plan_call(group: _Group, num_blocks: int, block_size: int, layout: str) -> FlexCall:
+def plan_call(
+    group: _Group, num_blocks: int, block_size: int, layout: str, fresh_spans: bool = False
+) -> FlexCall:
+    """`fresh_spans`: prefill spans with nothing cached read their own unrounded K/V (decode
+    rows always read the cache, as the reference's do)."""
     if layout == IN_PLACE:
         gather, tables, num_source_blocks = None, group.tables, num_blocks
     elif layout == SHARED:
@@ -117,7 +126,25 @@ def plan_call(group: _Group, num_blocks: int, block_size: int, layout: str) -> F
         num_source_blocks = width
     else:
         raise ValueError(f"unknown flex layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    return FlexCall(_block_mask(group, tables, num_source_blocks, block_size), _rows(group), gather)
+    rows = _rows(group)
+    block_mask = _block_mask(group, tables, num_source_blocks, block_size)
+    if gather is None or not fresh_spans:
+        return FlexCall(block_mask, rows, gather)  # in place: the cache holds them as they are
+    fresh_rows, fresh_slots = _fresh_slots(group, rows, tables, block_size, layout)
+    return FlexCall(block_mask, rows, gather, fresh_rows, fresh_slots)
+
+
+def _fresh_slots(
+    group: _Group, rows: torch.Tensor, tables: torch.Tensor, block_size: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the sequences with no cached context (positions 0..L-1), and where their keys
+    sit in the gathered tensor: [1, U * bs] shared, [B, W * bs] per sequence, flattened."""
+    fresh = (rows >= 0) & (group.seq_lens == group.query_lens)[:, None]  # [B, L_max]
+    batch_index, position = fresh.nonzero(as_tuple=True)
+    slots = tables[batch_index, position // block_size] * block_size + position % block_size
+    if layout == PER_SEQUENCE:
+        slots = slots + batch_index * tables.shape[1] * block_size
+    return rows[fresh], slots
 
 
 def _rows(group: _Group) -> torch.Tensor:
