@@ -127,7 +127,7 @@ def plan_call(
     else:
         raise ValueError(f"unknown flex layout {layout!r}; one of {', '.join(LAYOUTS)}")
     rows = _rows(group)
-    block_mask = _block_mask(group, tables, num_source_blocks, block_size)
+    block_mask = _block_mask(group, tables, num_source_blocks, block_size, layout)
     if gather is None or not fresh_spans:
         return FlexCall(block_mask, rows, gather)  # in place: the cache holds them as they are
     fresh_rows, fresh_slots = _fresh_slots(group, rows, tables, block_size, layout)
@@ -171,7 +171,7 @@ def _valid_columns(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 
 
 def _block_mask(
-    group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int
+    group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int, layout: str
 ) -> BlockMask:
     """Per query tile: table[:full] are seen whole by every row (no mask evaluated), and
     table[full:visible] in part (the mask decides).  Lists are [B, 1, tiles, W]: one head row,
@@ -186,20 +186,31 @@ def _block_mask(
     tiles = tables[:, None, :].expand(batch, num_tiles, width)
     shifted = (full[:, :, None] + torch.arange(width, device=tables.device)).clamp(max=width - 1)
     partial = torch.gather(tiles, 2, shifted)
-    logical = _logical_block_map(tables, group.seq_lens, num_source_blocks, block_size)
-    offsets = torch.arange(max_len, device=tables.device)[None, :]
-    context = (group.seq_lens - group.query_lens)[:, None]
-    positions = torch.where(offsets < group.query_lens[:, None], context + offsets, -1)
     return BlockMask.from_kv_blocks(
         (visible - full).to(torch.int32)[:, None],
         partial.to(torch.int32)[:, None],
         full.to(torch.int32)[:, None],
         tiles.to(torch.int32)[:, None].contiguous(),
         BLOCK_SIZE=(Q_TILE, block_size),
-        mask_mod=paged_causal_mask(logical, positions, block_size),
+        mask_mod=_mask_mod(group, tables, num_source_blocks, block_size, layout),
         seq_lengths=(max_len, num_source_blocks * block_size),
         compute_q_blocks=False,  # the backward pass's transposed lists: inference needs none
     )
+
+
+def _mask_mod(
+    group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int, layout: str
+) -> Callable[..., torch.Tensor]:
+    max_len = int(group.query_lens.max())
+    offsets = torch.arange(max_len, device=tables.device)[None, :]
+    context = (group.seq_lens - group.query_lens)[:, None]
+    positions = torch.where(offsets < group.query_lens[:, None], context + offsets, -1)
+    if layout == PER_SEQUENCE:
+        # Row b holds sequence b's keys in order: a key's slot is its position.  (Half the
+        # indexing of the paged mask, which eager FlexAttention evaluates on every score.)
+        return functools.partial(_causal, positions)
+    logical = _logical_block_map(tables, group.seq_lens, num_source_blocks, block_size)
+    return paged_causal_mask(logical, positions, block_size)
 
 
 def _tile_block_counts(
@@ -246,3 +257,7 @@ def _paged_causal(logical, positions, block_size, b, h, q_idx, kv_idx):
     block = logical[b, kv_idx // block_size]
     key_position = block * block_size + kv_idx % block_size
     return (block >= 0) & (key_position <= positions[b, q_idx])
+
+
+def _causal(positions, b, h, q_idx, kv_idx):
+    return kv_idx <= positions[b, q_idx]
