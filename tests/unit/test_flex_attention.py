@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_paged_attention import KV_DTYPES, decode_metadata, filled_cache
+from attention_cases import KV_DTYPES, SHAPES, filled_cache, mixed_step
+from test_cpu_paged_attention import decode_metadata
 
 from kvserve.attention import select_backend
-from kvserve.attention.base import AttentionMetadata, PrefillSpan
+from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.flex import FlexAttentionBackend
 from kvserve.attention.flex_plan import IN_PLACE, PER_SEQUENCE, SHARED, plan_step
 from kvserve.attention.torch_ref import TorchRefBackend
-
-SHAPES = [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)]
 
 
 def attend(backend, query, cache, md, scale):
@@ -44,36 +43,6 @@ def test_decode_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
         got = attend(FlexAttentionBackend(compiled=False, layout=layout), query, cache, md, scale)
         assert got.shape == expected.shape and got.dtype == expected.dtype
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=layout)
-
-
-def mixed_step(block_size: int, gen: torch.Generator):
-    """3 decodes, then 3 prefill spans: a fresh prompt, a chunk after 21 cached tokens, and a
-    200-token chunk (two query tiles) after 37; every new token gets a fresh slot."""
-    decode_contexts = [5, block_size, 40]  # tokens cached before this step's one
-    prefills = [(0, 11), (21, 9), (37, 200)]  # (cached tokens, new tokens)
-    lengths = [n + 1 for n in decode_contexts] + [c + n for c, n in prefills]
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
-    order = torch.randperm(num_blocks, generator=gen)
-    tables, used = [], 0
-    for n in lengths:
-        count = -(-n // block_size)
-        tables.append(order[used : used + count])
-        used += count
-    new_positions = [[n] for n in decode_contexts] + [list(range(c, c + n)) for c, n in prefills]
-    slots = torch.cat(
-        [tables[i][torch.tensor(p) // block_size] * block_size + torch.tensor(p) % block_size
-         for i, p in enumerate(new_positions)]
-    )  # fmt: skip
-    width = max(len(t) for t in tables[:3])
-    decode_tables = torch.zeros(3, width, dtype=torch.long)
-    for row in range(3):
-        decode_tables[row, : len(tables[row])] = tables[row]
-    spans, start = [], 3
-    for row, (cached, new) in enumerate(prefills, start=3):
-        spans.append(PrefillSpan(start, start + new, cached + new, tables[row]))
-        start += new
-    md = AttentionMetadata(slots, 3, decode_tables, torch.tensor(lengths[:3]), tuple(spans))
-    return md, num_blocks, start
 
 
 # Every KV dtype on the first shape, every shape in float32 (the decode test above has the
