@@ -93,9 +93,18 @@ def test_half_precision_logits_on_cuda_stay_near_float32(embedded_tokenizer, dty
     assert (reference.max(1).values - picked).max().item() < LOGIT_TOL[dtype]  # near-ties only
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("compute", [torch.float16, torch.float32])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [SHAPES[0], (8, 2, 128, 16)])
+# Each KV dtype under float16 compute on the embedded model's shape; then Llama-3-8B's head
+# shape (32 / 8 heads of 128) in float16 and float32.  Each new shape or dtype is a Triton
+# compile (seconds), so the grid is smaller than the CPU one (tests/unit/test_flex_attention.py).
+FLEX_CASES = [(d, torch.float16, *SHAPES[0]) for d in KV_DTYPES] + [
+    ("float16", torch.float16, 32, 8, 128, 16),
+    ("float32", torch.float32, 32, 8, 128, 16),
+]
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "compute", "heads", "kv_heads", "dim", "block_size"), FLEX_CASES
+)
 def test_compiled_flex_equals_the_reference_on_cuda(
     kv_dtype, compute, heads, kv_heads, dim, block_size
 ):
