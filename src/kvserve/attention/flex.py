@@ -112,9 +112,8 @@ class FlexAttentionBackend:
             )  # fmt: skip
             self.compiled, self._attend = False, eager_flex_attention
             o = eager_flex_attention(*args, **kwargs)
-        o = o.transpose(1, 2)  # [B, L_max, H, D]
-        valid = call.rows >= 0
-        out[call.rows[valid]] = o[valid].to(out.dtype)
+        o = o.transpose(1, 2).reshape(-1, *o.shape[1::2])  # [B * L_max, H, D]
+        out.index_copy_(0, call.out_rows, o.index_select(0, call.out_places).to(out.dtype))
 
 
 def eager_flex_attention(*args: object, **kwargs: object) -> torch.Tensor:

@@ -44,6 +44,10 @@ class FlexCall:
     block_mask: BlockMask
     rows: torch.Tensor  # [B, L_max] flat query row of each padded row; -1 for padding
     gather: torch.Tensor | None  # None: in place; [U]: shared blocks; [B, W]: per sequence
+    # The real rows once more, found once per step (a boolean mask per layer would make a
+    # GPU wait for its count): flat row ids, and their places in the flattened [B * L_max].
+    out_rows: torch.Tensor  # [N]
+    out_places: torch.Tensor  # [N]
     # Spans with nothing cached attend over their own fresh K/V, as the reference does (for an
     # 8-bit cache: before quantization): flat query rows and their slots in the gathered keys.
     fresh_rows: torch.Tensor | None = None  # [N]
@@ -127,11 +131,13 @@ def plan_call(
     else:
         raise ValueError(f"unknown flex layout {layout!r}; one of {', '.join(LAYOUTS)}")
     rows = _rows(group)
+    places = (rows.reshape(-1) >= 0).nonzero()[:, 0]
+    outputs = (rows.reshape(-1)[places], places)
     block_mask = _block_mask(group, tables, num_source_blocks, block_size, layout)
     if gather is None or not fresh_spans:
-        return FlexCall(block_mask, rows, gather)  # in place: the cache holds them as they are
+        return FlexCall(block_mask, rows, gather, *outputs)  # in place: they are in the cache
     fresh_rows, fresh_slots = _fresh_slots(group, rows, tables, block_size, layout)
-    return FlexCall(block_mask, rows, gather, fresh_rows, fresh_slots)
+    return FlexCall(block_mask, rows, gather, *outputs, fresh_rows, fresh_slots)
 
 
 def _fresh_slots(
