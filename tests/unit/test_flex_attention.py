@@ -9,6 +9,7 @@ import pytest
 import torch
 from attention_cases import KV_DTYPES, SHAPES, filled_cache, mixed_step
 from test_cpu_paged_attention import decode_metadata
+from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
@@ -133,3 +134,23 @@ def test_backend_choice_and_its_log(caplog):
     auto_cuda = select_backend("auto", cuda)
     assert type(auto_cuda) is FlexAttentionBackend and auto_cuda.compiled
     assert select_backend("flex", cuda).compiled
+
+
+def test_the_compiled_kernel_reads_only_the_listed_blocks_correctly():
+    """Eager FlexAttention evaluates the mask on every score and ignores the BlockMask's block
+    lists; the compiled kernels (CUDA's path) visit only the listed blocks, skipping the mask
+    on "full" ones.  torch.compile with static shapes works on a CPU (dynamic shapes do not
+    build there: attention/flex.py), so one whole step checks the lists the CUDA path uses:
+    decode rows, a 200-row span over two query tiles, and context before each span.  (About
+    15 s the first time on a 2-core machine, then torch's compile cache.)"""
+    gen = torch.Generator().manual_seed(80)
+    md, num_blocks, num_tokens = mixed_step(16, gen)
+    q, k, v = (torch.randn(num_tokens, h, 64, generator=gen) for h in (8, 2, 2))
+    expected = TorchRefBackend().forward(
+        q, k, v, filled_cache("float32", num_blocks, 16, 2, 64, gen.manual_seed(5)), md, 0.125
+    )
+    backend = FlexAttentionBackend(compiled=False, layout=IN_PLACE)
+    backend._attend = torch.compile(flex_attention, dynamic=False)
+    cache = filled_cache("float32", num_blocks, 16, 2, 64, gen.manual_seed(5))
+    got = backend.forward(q, k, v, cache, md, 0.125)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
