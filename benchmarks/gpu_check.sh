@@ -2,7 +2,8 @@
 # The prepared GPU check (issue 17): on one GPU machine, from a copy of the repository, with
 # nothing downloaded, in under 8 minutes:
 #   1. find a Python that imports torch (and report what else it has) -> env.json
-#   2. the CUDA parity tests (tests/gpu/test_cuda_parity.py)            -> parity.log, parity.xml
+#   2. the CUDA parity tests (tests/gpu/test_cuda_parity.py, and the
+#      CUDA graph tests of tests/model/ for flex and the reference)      -> parity.log, parity.xml
 #   3. W1 and W3 offline on the embedded model and on a random-weight
 #      Llama-3-8B-shaped model (benchmarks/gpu_check.py)                -> bench.json, bench.md
 #   4. a summary of all three                                           -> summary.md
@@ -22,7 +23,7 @@ OUT_DIR="${OUT:-results/gpu_check}"
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) OUT_DIR="$arg" ;;
     esac
 done
@@ -61,11 +62,12 @@ DRY_ARGS=()
 
 # 2. Parity tests (timeout: 180 s on the GPU, 300 s for the CPU dry run).
 if "$PY" -c "import pytest" 2>/dev/null; then
-    log "parity tests: tests/gpu/test_cuda_parity.py"
+    TESTS=(tests/gpu/test_cuda_parity.py tests/model/test_flex_graphs.py tests/model/test_cuda_graphs.py)
+    log "parity tests: ${TESTS[*]}"
     PARITY_TIMEOUT=180
     [ "$DRY_RUN" = 1 ] && PARITY_TIMEOUT=300
     KVSERVE_GPU_CHECK_DRY_RUN=$DRY_RUN timeout "$PARITY_TIMEOUT" "$PY" -m pytest -q -rs \
-        -p no:cacheprovider tests/gpu/test_cuda_parity.py --junitxml="$OUT_DIR/parity.xml" \
+        -p no:cacheprovider "${TESTS[@]}" --junitxml="$OUT_DIR/parity.xml" \
         > "$OUT_DIR/parity.log" 2>&1
     status=$?
     [ "$status" = 124 ] && log "parity tests: timed out after ${PARITY_TIMEOUT}s"

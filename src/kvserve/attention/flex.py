@@ -34,8 +34,15 @@ class FlexAttentionBackend:
     """Same outputs as TorchRefBackend up to summation order.
 
     `layout` None picks where keys are read from (flex_plan.py): compiled, the cache in place
-    when it holds the compute dtype, else its blocks gathered once each; eager, per sequence.
-    Tests force each layout."""
+    when it holds the compute dtype, else (8-bit) prefills gather each block once and decodes
+    gather per sequence (static shapes for a CUDA graph); eager, per sequence.  Tests force
+    each layout.
+
+    Decode-only steps are graph-safe (attention/base.py): their plan has static shapes for a
+    batch size and block-table width and no host sync (no unique, no nonzero, no .item()),
+    and the compiled kernel is compiled during the runner's warm-up runs before capture."""
+
+    graph_safe_decode = True
 
     def __init__(self, compiled: bool, layout: str | None = None) -> None:
         self.compiled = compiled
@@ -63,7 +70,7 @@ class FlexAttentionBackend:
                 self._run(call, query, keys, values, scale, out)
         return out
 
-    def choose_layout(self, kv_cache: LayerKVCache, dtype: torch.dtype) -> str:
+    def choose_layout(self, kv_cache: LayerKVCache, dtype: torch.dtype, decode: bool) -> str:
         same_dtype = not kv_cache.quantized and kv_cache.key.dtype == dtype
         if self.layout == IN_PLACE and not same_dtype:
             raise ValueError(
@@ -73,17 +80,21 @@ class FlexAttentionBackend:
             return self.layout
         if not self.compiled:
             return PER_SEQUENCE
-        return IN_PLACE if same_dtype else SHARED
+        return IN_PLACE if same_dtype else PER_SEQUENCE if decode else SHARED
 
     def _plan(self, metadata: AttentionMetadata, kv_cache: LayerKVCache, dtype: torch.dtype):
         """The step's plan, built at the first layer and reused while the model's layers pass
         the same metadata object."""
         num_blocks, block_size = kv_cache.key.shape[0], kv_cache.key.shape[1]
-        key = (num_blocks, block_size, self.choose_layout(kv_cache, dtype))
+        layouts = (
+            self.choose_layout(kv_cache, dtype, False),
+            self.choose_layout(kv_cache, dtype, True),
+        )
+        key = (num_blocks, block_size, *layouts)
         cached = self._cached_plan
         if cached is not None and cached[0] is metadata and cached[1] == key:
             return cached[2]
-        plan = plan_step(metadata, num_blocks, block_size, key[2])
+        plan = plan_step(metadata, num_blocks, block_size, *layouts)
         self._cached_plan = (metadata, key, plan)
         return plan
 

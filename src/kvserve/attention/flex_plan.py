@@ -70,16 +70,24 @@ class _Group:
     seq_lens: torch.Tensor  # [B] context length after this step
     query_lens: torch.Tensor  # [B] query rows this step
     starts: torch.Tensor  # [B] flat index of each sequence's first query row
+    max_query_len: int  # known on the host: no device sync (a CUDA graph records decodes)
 
 
 def plan_step(
-    metadata: AttentionMetadata, num_blocks: int, block_size: int, layout: str
+    metadata: AttentionMetadata,
+    num_blocks: int,
+    block_size: int,
+    layout: str,
+    decode_layout: str | None = None,
 ) -> FlexPlan:
-    """Decodes are one call with one query row per sequence; the prefill spans one call,
-    padded to the longest span."""
+    """Decodes are one call with one query row per sequence (in `decode_layout`, default
+    `layout`); the prefill spans one call, padded to the longest span.  The decode call is
+    built without a host sync or a value-dependent shape in the in-place and per-sequence
+    layouts, so a CUDA graph can record it."""
     decode = prefill = None
     if metadata.num_decode_tokens:
-        decode = plan_call(_decode_group(metadata), num_blocks, block_size, layout)
+        group = _decode_group(metadata)
+        decode = plan_call(group, num_blocks, block_size, decode_layout or layout)
     if metadata.prefills:
         group = _prefill_group(metadata)
         prefill = plan_call(group, num_blocks, block_size, layout, fresh_spans=True)
@@ -95,6 +103,7 @@ def _decode_group(md: AttentionMetadata) -> _Group:
         md.decode_seq_lens.to(torch.long),
         ones,
         torch.arange(n, device=device),
+        1,
     )
 
 
@@ -110,6 +119,7 @@ def _prefill_group(md: AttentionMetadata) -> _Group:
         torch.tensor([s.seq_len for s in spans], device=device),
         torch.tensor([s.query_end - s.query_start for s in spans], device=device),
         torch.tensor([s.query_start for s in spans], device=device),
+        max(s.query_end - s.query_start for s in spans),
     )
 
 
@@ -131,7 +141,10 @@ def plan_call(
     else:
         raise ValueError(f"unknown flex layout {layout!r}; one of {', '.join(LAYOUTS)}")
     rows = _rows(group)
-    places = (rows.reshape(-1) >= 0).nonzero()[:, 0]
+    if group.max_query_len == 1:  # decodes: every row is real
+        places = torch.arange(rows.shape[0], device=rows.device)
+    else:
+        places = (rows.reshape(-1) >= 0).nonzero()[:, 0]
     outputs = (rows.reshape(-1)[places], places)
     block_mask = _block_mask(group, tables, num_source_blocks, block_size, layout)
     if gather is None or not fresh_spans:
@@ -154,7 +167,7 @@ def _fresh_slots(
 
 
 def _rows(group: _Group) -> torch.Tensor:
-    offsets = torch.arange(int(group.query_lens.max()), device=group.tables.device)
+    offsets = torch.arange(group.max_query_len, device=group.tables.device)
     is_row = offsets[None, :] < group.query_lens[:, None]
     return torch.where(is_row, group.starts[:, None] + offsets[None, :], -1)
 
@@ -182,7 +195,7 @@ def _block_mask(
     """Per query tile: table[:full] are seen whole by every row (no mask evaluated), and
     table[full:visible] in part (the mask decides).  Lists are [B, 1, tiles, W]: one head row,
     broadcast to all heads."""
-    max_len = int(group.query_lens.max())
+    max_len = group.max_query_len
     full, visible = _tile_block_counts(group, max_len, block_size)
     if tables.device.type == "cpu" and tables.shape[1] < num_source_blocks:
         # Inductor's C++ kernel asserts that the lists could name every KV block.
@@ -207,7 +220,7 @@ def _block_mask(
 def _mask_mod(
     group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int, layout: str
 ) -> Callable[..., torch.Tensor]:
-    max_len = int(group.query_lens.max())
+    max_len = group.max_query_len
     offsets = torch.arange(max_len, device=tables.device)[None, :]
     context = (group.seq_lens - group.query_lens)[:, None]
     positions = torch.where(offsets < group.query_lens[:, None], context + offsets, -1)
