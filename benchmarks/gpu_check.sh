@@ -23,7 +23,7 @@ OUT_DIR="${OUT:-results/gpu_check}"
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
         *) OUT_DIR="$arg" ;;
     esac
 done
