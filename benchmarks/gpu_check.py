@@ -187,10 +187,10 @@ def plan_runs(dry_run: bool) -> list[Run]:
     other = "cpu-paged" if dry_run else "torch"
     return [
         Run("embedded", "flex", "fp8", ("w1", "w3-on")),
-        Run("embedded", "flex", "auto", ("w1", "w3-on", "w3-off")),
-        Run("embedded", other, "auto", ("w1", "w3-on")),
         Run("llama3-8b-random", "flex", "fp8", ("w1", "w3-on")),
+        Run("embedded", "flex", "auto", ("w1", "w3-on", "w3-off")),
         Run("llama3-8b-random", "flex", "auto", ("w1", "w3-on", "w3-off")),
+        Run("embedded", other, "auto", ("w1", "w3-on")),
         Run("llama3-8b-random", other, "auto", ("w1", "w3-on")),
     ]
 
