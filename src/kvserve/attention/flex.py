@@ -115,7 +115,8 @@ class FlexAttentionBackend:
         try:
             o = self._attend(*args, **kwargs, kernel_options=options)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
-            if not self.compiled:
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            if not self.compiled or capturing:  # a failed capture is the graph runner's
                 raise
             logger.warning(
                 "flex attention: torch.compile failed, running it eagerly (%s: %s)",
