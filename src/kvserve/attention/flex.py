@@ -10,8 +10,9 @@ On a CPU, torch 2.13's C++ flex kernel fails to build with dynamic shapes (its c
 renames shape symbols by text: `s31` became `cur_qSplitSize1` in our measurements) and static
 shapes recompile at every new batch shape (4-7 s each), so a CPU runs it eagerly: PyTorch's
 reference implementation, dense over each batch row's keys, exact but slower than the
-reference backend.  The CPU's fast path remains the C kernel (cpu-paged); flex on a CPU is for
-checking the CUDA path's logic on any machine.
+reference backend (one thread, a decode layer of 32 sequences x 320 tokens, 9 / 3 heads:
+flex eager 28 ms, reference 9.4 ms, C kernel 1.3 ms).  The CPU's fast path remains the C
+kernel (cpu-paged); flex on a CPU is for checking the CUDA path's logic on any machine.
 """
 
 from __future__ import annotations
