@@ -15,7 +15,7 @@ PROMPTS = [
     SYSTEM + "<|im_start|>user\nName a prime number.<|im_end|>\n<|im_start|>assistant\n",
     "The capital of France is",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def greedy_tokens(llm: LLM) -> tuple[list[list[int]], int]:
@@ -46,4 +46,4 @@ def test_flex_gives_the_reference_greedy_tokens(embedded_tokenizer):
     reference, reference_hits = greedy_tokens(llm)
     assert flex == reference
     assert flex_hits == reference_hits >= 16  # the cached system prompt was read
-    assert all(len(t) == 6 for t in flex)
+    assert all(len(t) == 4 for t in flex)
