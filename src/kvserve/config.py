@@ -19,7 +19,7 @@ from kvserve.errors import ParameterError, UserInputError
 GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the planner
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 # Lowest top-1 agreement of the 8-bit KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
@@ -321,8 +321,9 @@ class LoadConfig:
         default="auto",
         metadata=_help(
             "Attention implementation: auto (cpu-paged on a CPU when its C kernel builds, else "
-            "torch), torch (the PyTorch reference), cpu-paged (C kernel reading KV blocks in "
-            "place; CPU only).",
+            "torch; flex on CUDA), torch (the PyTorch reference), cpu-paged (C kernel reading "
+            "KV blocks in place; CPU only), flex (PyTorch FlexAttention over the block tables: "
+            "compiled on CUDA, eager and slow on a CPU).",
             choices=ATTENTION_BACKENDS,
         ),
     )

@@ -1,0 +1,70 @@
+"""Attention inputs shared by the CPU and CUDA parity tests of the attention backends: a
+layer cache filled through the real (quantizing) write path, decode metadata over shuffled
+blocks, and a whole step of decodes and prefills with cached context.  The C kernel's grid of
+KV dtypes and shapes (tests/unit/test_cpu_paged_attention.py) is repeated here so that the
+CUDA module, run on its own, has it."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.base import AttentionMetadata, PrefillSpan
+from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.kv import quant
+
+KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"]
+SHAPES = [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)]  # H, Hkv, D, bs
+CPU = torch.device("cpu")
+
+
+def filled_cache(kv_dtype, num_blocks, block_size, heads, dim, gen, device=CPU) -> LayerKVCache:
+    """Every slot written through LayerKVCache.write (random values drawn on the CPU)."""
+    shape = (num_blocks, block_size, heads, dim)
+    scaled = kv_dtype in quant.SCALED_DTYPES
+    store = quant.storage_dtype(kv_dtype)
+    cache = LayerKVCache(
+        torch.zeros(shape, dtype=store, device=device),
+        torch.zeros(shape, dtype=store, device=device),
+        torch.ones(shape[:3], device=device) if scaled else None,
+        torch.ones(shape[:3], device=device) if scaled else None,
+        kv_dtype,
+    )
+    slots = torch.arange(num_blocks * block_size, device=device)
+    keys = torch.randn(len(slots), heads, dim, generator=gen).to(device)
+    values = torch.randn(len(slots), heads, dim, generator=gen).to(device)
+    cache.write(slots, keys, values)
+    return cache
+
+
+def mixed_step(block_size: int, gen: torch.Generator, device=CPU):
+    """3 decodes, then 3 prefill spans: a fresh prompt, a chunk after 21 cached tokens, and a
+    200-token chunk (two query tiles) after 37; every new token gets a fresh slot.
+    Returns (metadata, num_blocks, num_tokens)."""
+    decode_contexts = [5, block_size, 40]  # tokens cached before this step's one
+    prefills = [(0, 11), (21, 9), (37, 200)]  # (cached tokens, new tokens)
+    lengths = [n + 1 for n in decode_contexts] + [c + n for c, n in prefills]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    tables, used = [], 0
+    for n in lengths:
+        count = -(-n // block_size)
+        tables.append(order[used : used + count])
+        used += count
+    new_positions = [[n] for n in decode_contexts] + [list(range(c, c + n)) for c, n in prefills]
+    slots = torch.cat(
+        [tables[i][torch.tensor(p) // block_size] * block_size + torch.tensor(p) % block_size
+         for i, p in enumerate(new_positions)]
+    )  # fmt: skip
+    width = max(len(t) for t in tables[:3])
+    decode_tables = torch.zeros(3, width, dtype=torch.long)
+    for row in range(3):
+        decode_tables[row, : len(tables[row])] = tables[row]
+    spans, start = [], 3
+    for row, (cached, new) in enumerate(prefills, start=3):
+        spans.append(PrefillSpan(start, start + new, cached + new, tables[row].to(device)))
+        start += new
+    md = AttentionMetadata(
+        slots.to(device), 3, decode_tables.to(device), torch.tensor(lengths[:3]).to(device),
+        tuple(spans),
+    )  # fmt: skip
+    return md, num_blocks, start
