@@ -20,6 +20,7 @@ GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 # Lowest top-1 agreement of the 8-bit KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
@@ -315,7 +316,20 @@ class LoadConfig:
     device: str = field(default="auto", metadata=_help("cpu, cuda, cuda:N or auto."))
     seed: int = field(default=0, metadata=_help("Seed for requests that give none."))
     tensor_parallel_size: int = field(
-        default=1, metadata=_help("Tensor-parallel ranks (1 is supported for serving).")
+        default=1,
+        metadata=_help(
+            "Tensor-parallel ranks: the model's heads, MLP and vocabulary split over N "
+            "processes joined by torch.distributed (gloo on a CPU, NCCL on CUDA)."
+        ),
+    )
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=_help(
+            "Where ranks 1..N-1 of --tensor-parallel-size run: mp (local processes) or ray "
+            "(Ray actors on the cluster of RAY_ADDRESS or `ray start`, else a local one; "
+            "pip install 'kvserve[ray]').",
+            choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        ),
     )
     attention_backend: str = field(
         default="auto",
@@ -357,10 +371,15 @@ class LoadConfig:
                 "--attention-backend",
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
             )
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
             raise ParameterError(
-                "--tensor-parallel-size",
-                "> 1 is not supported for serving yet; use 1 (kvserve plan accepts any size)",
+                "--tensor-parallel-size", f"must be positive, got {self.tensor_parallel_size}"
+            )
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ParameterError(
+                "--distributed-executor-backend",
+                f"must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}",
             )
 
 
@@ -437,6 +456,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
+        if self.load.tensor_parallel_size > 1 and self.cache.prefix_cache_dir:
+            raise ParameterError(
+                "--prefix-cache-dir",
+                "is not supported with --tensor-parallel-size > 1 (each rank would need its "
+                "own store); drop one of them",
+            )
 
 
 # EngineConfig's parts, in flag-group order: the CLI and LLM(**kwargs) both read this.

@@ -57,6 +57,9 @@ class FakeEngine:
     def close(self) -> None:  # the engine thread's last call (writes the prefix cache store)
         self._touch()
 
+    def on_executor_failure(self, callback) -> None:  # one rank: nothing can die apart
+        pass
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0.0)
 

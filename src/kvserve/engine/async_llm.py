@@ -82,6 +82,13 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self.stats: SchedulerStats = engine.get_stats()  # replaced (never mutated) per step
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        engine.on_executor_failure(self._fail_from_outside)
+
+    def _fail_from_outside(self, error: BaseException) -> None:
+        """A tensor-parallel rank died (any thread): unhealthy at once, and the engine thread
+        stops at its next turn (or as soon as its step's collective fails)."""
+        self._error = error
+        self._wakeup.set()
 
     def start(self) -> None:
         """Start the engine thread; the calling thread (the server's event loop, and the
@@ -185,6 +192,8 @@ class AsyncLLM:
         try:
             platform.bind_compute_threads(self.engine.cpu_threads)  # this thread's own team
             while not self._stopping:
+                if self._error is not None:
+                    raise self._error
                 self._run_commands()
                 if not self.engine.has_unfinished_requests():
                     self.stats = self.engine.get_stats()

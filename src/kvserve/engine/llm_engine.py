@@ -13,7 +13,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch.profiler import record_function
@@ -36,6 +38,8 @@ from kvserve.engine.sizing import (
 )
 from kvserve.engine.stopping import StopStrings
 from kvserve.errors import ParameterError
+from kvserve.executor.base import Executor, ExecutorFailedError
+from kvserve.executor.tensor_parallel import TensorParallelExecutor
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER
@@ -112,12 +116,29 @@ class LLMEngine:
         self.eos_token_ids = frozenset(checkpoint.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        model_cls = get_model_class(checkpoint.config.architecture)
-        self.model = model_cls.from_weights(
-            checkpoint.config, checkpoint.weights, self.dtype, self.device
-        )
+        self.executor: TensorParallelExecutor | None = None
+        if config.load.tensor_parallel_size > 1:  # rank 0 here, the other ranks started
+            self.executor = TensorParallelExecutor(config.load, checkpoint, self.dtype, self.device)
+            self.model = self.executor.model
+        else:
+            model_cls = get_model_class(checkpoint.config.architecture)
+            self.model = model_cls.from_weights(
+                checkpoint.config, checkpoint.weights, self.dtype, self.device
+            )
         del checkpoint.weights
         self.model_path = checkpoint.path
+        try:
+            self._start_runtime(config)
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown()
+            raise
+        self._user_requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self._log_startup(time.monotonic() - started)
+
+    # ----------------------------------------------------------------- start-up
+    def _start_runtime(self, config: EngineConfig) -> None:
         self.config = self._checked_kv_cache_dtype(config)
         self.max_model_len = self._resolve_max_model_len()
         self.graph_plan = self._plan_cuda_graphs()
@@ -127,11 +148,7 @@ class LLMEngine:
         if self.graph_plan is not None:  # after the compile: graphs record compiled kernels
             self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.sizing.num_blocks)
         self._open_prefix_store()
-        self._user_requests: dict[str, _UserRequest] = {}
-        self._child_to_user: dict[str, str] = {}
-        self._log_startup(time.monotonic() - started)
 
-    # ----------------------------------------------------------------- start-up
     def _resolve_max_model_len(self) -> int:
         """ValueError for a length beyond the trained context without the override."""
         trained = self.model_config.max_position_embeddings
@@ -150,18 +167,23 @@ class LLMEngine:
         spec = kv_cache_spec(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.kv_cache_dtype,
             platform.dtype_name(self.dtype), cache.block_size,
-        )  # fmt: skip
+            self.config.load.tensor_parallel_size,
+        )  # fmt: skip  # per rank: the largest rank's KV heads, rank 0's weights
         weights = itertools.chain(self.model.parameters(), self.model.buffers())  # + packed
         weights_bytes = sum(t.numel() * t.element_size() for t in weights)
         plan = self.graph_plan
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        profile = (
+            partial(self.executor.profile_peak_activation_bytes, spec, num_tokens)
+            if self.executor is not None
+            else partial(profile_peak_activation_bytes, self.model, spec, num_tokens,
+                         self.attention, self.device)
+        )  # fmt: skip
         budget = kv_budget_bytes(
             cache,
             self.device,
             weights_bytes,
-            lambda: profile_peak_activation_bytes(
-                self.model, spec, self.config.scheduler.max_num_batched_tokens,
-                self.attention, self.device,
-            ),
+            profile,
             lambda: (
                 0 if plan is None
                 else profile_graph_pool_bytes(self.model, spec, self.attention, self.device, plan)
@@ -177,8 +199,11 @@ class LLMEngine:
         """The config with the KV dtype the start-up check settles on (an 8-bit one is
         checked against the model's dtype; ParameterError when it fails and may not fall
         back)."""
+        cache = config.cache
+        if self.executor is not None:  # the canary would run rank 0's shard alone
+            cache = replace(cache, kv_cache_dtype_check="off")
         kv_dtype = check_kv_cache_dtype(
-            config.cache,
+            cache,
             lambda: Canary(
                 self.model, self.model_config, self.tokenizer, self.dtype,
                 config.cache.block_size, self.device,
@@ -191,13 +216,17 @@ class LLMEngine:
         cache = self.config.cache
         # With CUDA graphs, one block more than the pool's: the pad rows' scratch block.
         num_pad_blocks = 0 if self.graph_plan is None else 1
-        self.kv_caches = allocate_kv_caches(
-            spec, self.sizing.num_blocks + num_pad_blocks, self.device
-        )
         num_host = self.sizing.num_host_blocks
+        if self.executor is not None:  # every rank allocates the same blocks for its heads
+            self.executor.init_kv_caches(spec, self.sizing.num_blocks, num_host)
+            self.kv_caches = self.executor.kv_caches
+        else:
+            self.kv_caches = allocate_kv_caches(
+                spec, self.sizing.num_blocks + num_pad_blocks, self.device
+            )
         host_kv_caches = (
             allocate_kv_caches(spec, num_host, CPU, pin_memory=self.device.type == "cuda")
-            if num_host else None
+            if num_host and self.executor is None else None
         )  # fmt: skip
         self.services = PrefixCacheServices(cache, self.device)
         self.cache_manager = KVCacheManager(
@@ -218,7 +247,7 @@ class LLMEngine:
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
         )  # fmt: skip
-        self.runner = ModelRunner(
+        self.runner: Executor = self.executor or ModelRunner(
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
             seed=self.config.load.seed, host_kv_caches=host_kv_caches,
         )  # fmt: skip
@@ -237,6 +266,8 @@ class LLMEngine:
 
     def _plan_cuda_graphs(self) -> GraphPlan | None:
         load, sched = self.config.load, self.config.scheduler
+        if self.executor is not None:  # the ranks run eagerly (docs/tensor_parallel.md)
+            return None
         return decode_graph_plan(
             self.device, load.enforce_eager, self.attention, sched.max_num_seqs,
             self.max_model_len, self.config.cache.block_size,
@@ -247,6 +278,9 @@ class LLMEngine:
         compiler, an unsupported op) leaves the model eager, with a warning, never a failed
         start."""
         if self.config.load.enforce_eager:
+            return
+        if self.executor is not None:
+            logger.info("tensor parallel runs eagerly (torch.compile is not used with > 1 rank)")
             return
         started = time.monotonic()
         self.model.compile()
@@ -361,8 +395,17 @@ class LLMEngine:
         return num_dropped
 
     def close(self) -> None:
-        """Write the prefix cache store and stop the KV event publisher (idempotent)."""
+        """Write the prefix cache store, stop the KV event publisher and the tensor-parallel
+        ranks (idempotent)."""
         self.services.close(self.cache_manager)
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def on_executor_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)` when a tensor-parallel rank dies, from another thread, even while
+        no step runs (no-op with one rank)."""
+        if self.executor is not None:
+            self.executor.set_failure_callback(callback)
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
@@ -374,6 +417,8 @@ class LLMEngine:
             scheduler_output = self.scheduler.schedule()
         try:
             outputs = self._run_scheduled(scheduler_output)
+        except ExecutorFailedError:
+            raise  # the ranks disagree from now on: no step can run
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
             if scheduler_output.blocks_to_host or scheduler_output.blocks_from_host:
