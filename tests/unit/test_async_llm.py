@@ -57,8 +57,8 @@ class FakeEngine:
     def close(self) -> None:  # the engine thread's last call (writes the prefix cache store)
         self._touch()
 
-    def on_executor_failure(self, callback) -> None:  # one rank: nothing can die apart
-        pass
+    def on_executor_failure(self, callback) -> None:
+        self.executor_failed = callback  # a test calls it as a dying rank's monitor would
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0.0)
@@ -216,6 +216,33 @@ def test_a_failure_outside_a_step_calls_on_fatal():
 
     run_with(engine, scenario, on_fatal=fatal.append)
     assert [str(e) for e in fatal] == ["injected failure"]
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_dead_rank_makes_the_engine_unhealthy_at_once_and_calls_on_fatal(busy):
+    """The tensor-parallel monitor reports a dead rank from its own thread, while a request
+    streams or while the engine thread sleeps with nothing to do."""
+    engine = FakeEngine()
+    fatal: list[BaseException] = []
+    death = RuntimeError("tensor-parallel worker rank 1 died (pid 7, killed by signal 9)")
+
+    async def scenario(llm: AsyncLLM) -> None:
+        stream = await llm.add_request("r", [1], SamplingParams(max_tokens=10**6)) if busy else None
+        await asyncio.sleep(0.05)
+        assert llm.is_running
+        engine.executor_failed(death)
+        assert not llm.is_running  # /health answers 503 from now on
+        if stream is not None:
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+        for _ in range(100):
+            if fatal:
+                break
+            await asyncio.sleep(0.01)
+
+    run_with(engine, scenario, on_fatal=fatal.append)
+    assert fatal == [death]
 
 
 def test_a_full_waiting_queue_refuses_new_requests():

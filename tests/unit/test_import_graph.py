@@ -1,7 +1,7 @@
 """The dependency rule, read from the source: packages import one way, never in a cycle.
 
     server -> engine -> scheduler -> kv             (the scheduler and its queue: pure Python)
-    engine -> runner -> models -> attention -> kv
+    engine -> executor -> runner -> models -> attention -> kv   (executor: tensor-parallel ranks)
     leaf modules (errors, config, flags, request, step, tokenizer) import only other leaves
     formats (the one config.json / GGUF metadata reader) is a leaf the loader and planner share
 
@@ -18,7 +18,7 @@ import kvserve
 
 ROOT = Path(kvserve.__file__).parent
 LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer", "formats"}
-SERVING = {"kv", "attention", "models", "runner", "engine"}
+SERVING = {"kv", "attention", "models", "runner", "executor", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "formats": {"errors", "config"},
@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"kv", "config", "errors"},
     "models": {"attention", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "kv"} | LEAVES,
+    "executor": {"runner", "models", "attention", "kv"} | LEAVES,
     "engine": SERVING | LEAVES,
     "llm": {"engine"} | LEAVES,
     "server": {"engine"} | LEAVES,

@@ -42,6 +42,9 @@ class MultiprocLauncher:
             process.start()
             self.processes[rank] = process
 
+    def worker_pids(self) -> dict[int, int]:
+        return {rank: process.pid for rank, process in self.processes.items()}
+
     def dead_rank(self) -> tuple[int, str] | None:
         for rank, process in self.processes.items():
             if process.exitcode is not None:

@@ -55,6 +55,10 @@ class RayLauncher:
             self.actors[rank] = actor
             self._runs[actor.run.remote(spec, rank)] = rank
 
+    def worker_pids(self) -> dict[int, int]:
+        pids = self._ray.get([actor.pid.remote() for actor in self.actors.values()])
+        return dict(zip(self.actors, pids, strict=True))
+
     def dead_rank(self) -> tuple[int, str] | None:
         done, _ = self._ray.wait(list(self._runs), num_returns=1, timeout=0)
         return self._report(done[0]) if done else None

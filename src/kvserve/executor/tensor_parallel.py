@@ -40,6 +40,10 @@ class Launcher(Protocol):
 
     def start(self, spec: WorkerSpec) -> None: ...
 
+    def worker_pids(self) -> dict[int, int]:
+        """rank -> process id (on whichever machine runs it)."""
+        ...
+
     def dead_rank(self) -> tuple[int, str] | None:
         """(rank, what happened) of a rank that is gone, without blocking."""
         ...
@@ -107,6 +111,8 @@ class TensorParallelExecutor:
             len(self.driver.shard.kv_heads), checkpoint.config.num_kv_heads,
             format_bytes(self.driver.weight_bytes()),
         )  # fmt: skip
+        pids = ", ".join(f"rank {r} pid {p}" for r, p in self.launcher.worker_pids().items())
+        logger.info("tensor parallel: rank 0 pid %d (this process), %s", os.getpid(), pids)
         self._monitor = threading.Thread(target=self._watch, name="kvserve-tp-monitor", daemon=True)
         self._monitor.start()
 

@@ -106,7 +106,9 @@ class Worker:
         )
         self.cpu_group = self.device_group
         if spec.group_backend != "gloo":
-            self.cpu_group = TPGroup(make_process_group(store, "cpu", "gloo", rank, size), rank, size)
+            self.cpu_group = TPGroup(
+                make_process_group(store, "cpu", "gloo", rank, size), rank, size
+            )
 
     def local_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
         """The engine's spec (sized for the largest share) with this rank's KV heads."""

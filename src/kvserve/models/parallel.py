@@ -103,7 +103,9 @@ def shard_plan(config: ModelConfig, tp: int) -> list[RankShard]:
             q_heads=heads[rank][0],
             kv_heads=heads[rank][1],
             intermediate=mlp[rank],
-            vocab=range(min(rank * per, config.vocab_size), min((rank + 1) * per, config.vocab_size)),
+            vocab=range(
+                min(rank * per, config.vocab_size), min((rank + 1) * per, config.vocab_size)
+            ),
             vocab_per_rank=per,
         )
         for rank in range(tp)
