@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from e2e_server import ServerProcess
+from ray_cluster import ray_cluster
 from smoke import openai_smoke, reference_text
-
-from kvserve.bench.launcher import free_port
 
 TP_ARGS = ["--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
 EXIT_WITHIN_S = 10.0
@@ -68,31 +64,14 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit_non_zero(mp_server):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory) -> Iterator[str]:
-    """`ray start --head --block` in its own session; the whole session is ended after."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("ray") / "ray.log").open("w")
-    ray_bin = Path(sys.executable).with_name("ray")
-    process = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-         "--include-dashboard=false", "--object-store-memory=100000000", "--disable-usage-stats"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(process.pid, 15)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
-        log.close()
+def ray_address(tmp_path_factory) -> Iterator[str]:
+    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=2) as address:
+        yield address
 
 
-def test_ray_server_passes_the_smoke_test(server_factory, ray_cluster, reference):
+def test_ray_server_passes_the_smoke_test(server_factory, ray_address, reference):
     server = server_factory(*TP_ARGS, "--distributed-executor-backend", "ray",
-                            env={"RAY_ADDRESS": ray_cluster})  # fmt: skip
+                            env={"RAY_ADDRESS": ray_address})  # fmt: skip
     server.wait_healthy()
     assert "tensor parallel: 2 ranks (ray, gloo)" in server.log()
     openai_smoke(server.base_url, reference)

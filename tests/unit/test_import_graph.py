@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"models"} | LEAVES,
     "evaluation": SERVING | LEAVES,
     "cli": {"server", "engine", "llm", "planner", "bench", "evaluation"} | LEAVES,
+    "ray_serve": {"server", "engine"} | LEAVES,  # the Ray Serve deployment (a tool, like cli)
     "__init__": {"llm", "request"},
 }
 PURE_PYTHON = {"engine/scheduler.py", "engine/request_queue.py", "engine/stopping.py",

@@ -45,19 +45,22 @@ class RayLauncher:
         self.host = ray.util.get_node_ip_address()
         self.actors: dict[int, object] = {}
         self._runs: dict[object, int] = {}  # ObjectRef of each actor's run -> rank
+        self._pids: dict[int, int] = {}
         self._stopping = False
 
     def start(self, spec: WorkerSpec) -> None:
         gpus = 1 if spec.device == "cuda" else 0
         actor_class = self._ray.remote(num_cpus=1 if gpus == 0 else 0, num_gpus=gpus)(_RankActor)
         for rank in range(1, spec.tensor_parallel_size):
-            actor = actor_class.options(name=None, max_restarts=0).remote()
-            self.actors[rank] = actor
+            self.actors[rank] = actor_class.options(max_restarts=0).remote()
+        # asked before `run`, which occupies each actor for good
+        pids = self._ray.get([actor.pid.remote() for actor in self.actors.values()])
+        self._pids = dict(zip(self.actors, pids, strict=True))
+        for rank, actor in self.actors.items():
             self._runs[actor.run.remote(spec, rank)] = rank
 
     def worker_pids(self) -> dict[int, int]:
-        pids = self._ray.get([actor.pid.remote() for actor in self.actors.values()])
-        return dict(zip(self.actors, pids, strict=True))
+        return dict(self._pids)
 
     def dead_rank(self) -> tuple[int, str] | None:
         done, _ = self._ray.wait(list(self._runs), num_returns=1, timeout=0)

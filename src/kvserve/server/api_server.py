@@ -170,7 +170,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs
     async_llm = AsyncLLM(engine, engine_config.limits.max_waiting_requests)
     try:
-        ctx = _serving_context(async_llm, config, engine_config.limits, tokenizers)
+        ctx = serving_context(async_llm, config, engine_config.limits, tokenizers)
         uv_config = uvicorn.Config(
             build_app(ctx, config),
             log_config=None,  # our logging set-up (kvserve.cli) formats uvicorn's lines too
@@ -204,7 +204,7 @@ def _exit_soon(server: Any) -> None:
     server.force_exit = True
 
 
-def _serving_context(
+def serving_context(
     async_llm: AsyncLLM,
     config: ServerConfig,
     limits: RequestLimits,
