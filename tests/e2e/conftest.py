@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 from e2e_server import ServerProcess, launch_server
+from ray_cluster import ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +36,11 @@ def http(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[http
     timeout = getattr(request.module, "HTTP_TIMEOUT_S", 120.0)
     with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One local Ray cluster (`ray start --head`) for every module that needs one, stopped at
+    the end of the session: 4 logical CPUs, for two Serve replicas and a tensor-parallel rank."""
+    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=4) as address:
+        yield address

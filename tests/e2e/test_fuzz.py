@@ -392,7 +392,6 @@ def server(server_factory) -> ServerProcess:
     return server
 
 
-
 FUZZ_SETTINGS = settings(
     max_examples=300,
     deadline=None,

@@ -32,7 +32,6 @@ def server(server_factory) -> ServerProcess:
     return server
 
 
-
 def assert_serves_normally(http: httpx.Client) -> None:
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     response = http.post("/v1/completions", json=body)

@@ -1,6 +1,6 @@
 """kvserve on Ray Serve (`serve run kvserve.ray_serve:build_app`), 2 replicas behind the
-prefix-aware router, on a Ray cluster this module starts: the openai-client smoke test, and
-requests sharing a prefix land on one replica, which reports their cached tokens."""
+prefix-aware router, on the session's Ray cluster (conftest.py): the openai-client smoke test,
+and requests sharing a prefix land on one replica, which reports their cached tokens."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ray_cluster import ray_bin, ray_cluster, stop_session
+from ray_cluster import ray_bin, stop_session
 from smoke import openai_smoke, reference_text
 
 from kvserve.bench.launcher import free_port
@@ -24,27 +24,26 @@ START_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
-def serve_url(tmp_path_factory) -> Iterator[str]:
+def serve_url(tmp_path_factory, ray_address) -> Iterator[str]:
     log_dir = tmp_path_factory.mktemp("ray-serve")
-    with ray_cluster(log_dir, num_cpus=4) as address:
-        env = {**os.environ, "RAY_ADDRESS": address}
-        port = free_port()
-        log = (log_dir / "serve.log").open("w")
-        subprocess.run([ray_bin("serve"), "start", "--http-port", str(port)], env=env,
-                       stdout=log, stderr=subprocess.STDOUT, check=True, timeout=120)  # fmt: skip
-        process = subprocess.Popen(
-            [ray_bin("serve"), "run", "kvserve.ray_serve:build_app", "num_replicas=2",
-             f"engine_args={ENGINE_ARGS}"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, process, log_dir / "serve.log")
-            wait_for_replicas(env, 2)
-            yield url
-        finally:
-            stop_session(process)
-            log.close()
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    port = free_port()
+    log = (log_dir / "serve.log").open("w")
+    subprocess.run([ray_bin("serve"), "start", "--http-port", str(port)], env=env,
+                   stdout=log, stderr=subprocess.STDOUT, check=True, timeout=120)  # fmt: skip
+    process = subprocess.Popen(
+        [ray_bin("serve"), "run", "kvserve.ray_serve:build_app", "num_replicas=2",
+         f"engine_args={ENGINE_ARGS}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, log_dir / "serve.log")
+        wait_for_replicas(env, 2)
+        yield url
+    finally:
+        stop_session(process)
+        log.close()
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log_path) -> None:

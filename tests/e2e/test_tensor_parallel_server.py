@@ -1,18 +1,16 @@
-"""`kvserve serve --tensor-parallel-size 2` with worker processes (mp) and with Ray actors on a
-Ray cluster this module starts: the openai-client smoke test; then a worker killed during a
-request makes the server unhealthy and exit non-zero, naming the rank."""
+"""`kvserve serve --tensor-parallel-size 2` with worker processes (mp) and with Ray actors on
+the session's Ray cluster (conftest.py): the openai-client smoke test; then a worker killed
+during a request makes the server unhealthy and exit non-zero, naming the rank."""
 
 from __future__ import annotations
 
 import os
 import re
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from e2e_server import ServerProcess
-from ray_cluster import ray_cluster
 from smoke import openai_smoke, reference_text
 
 TP_ARGS = ["--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
@@ -61,12 +59,6 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit_non_zero(mp_server):
     assert mp_server.process.wait(EXIT_WITHIN_S) == 1
     assert time.monotonic() - killed < EXIT_WITHIN_S
     assert f"tensor-parallel worker rank 1 died (pid {pid}, killed by signal 9)" in mp_server.log()
-
-
-@pytest.fixture(scope="module")
-def ray_address(tmp_path_factory) -> Iterator[str]:
-    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=2) as address:
-        yield address
 
 
 def test_ray_server_passes_the_smoke_test(server_factory, ray_address, reference):
