@@ -133,9 +133,9 @@ class TensorParallelExecutor:
                 )
             time.sleep(0.1)
 
-    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int) -> None:
-        """Every rank allocates `num_blocks` blocks for its own KV heads."""
-        self._call("init_kv_caches", spec, num_blocks)
+    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """Every rank allocates `num_blocks` blocks (and its host tier's) for its own KV heads."""
+        self._call("init_kv_caches", spec, num_blocks, num_host_blocks)
         self.kv_caches = self.driver.kv_caches
         logger.info(
             "tensor parallel: KV cache per rank %s (rank 0: %d KV heads, %s bytes/token)",

@@ -114,11 +114,19 @@ class Worker:
         """The engine's spec (sized for the largest share) with this rank's KV heads."""
         return replace(spec, num_kv_heads=len(self.shard.kv_heads))
 
-    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.local_spec(spec), num_blocks, self.device)
+    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """`num_blocks` device blocks (and `num_host_blocks` of the --kv-offloading-size host
+        tier) for this rank's KV heads; the block ids are every rank's."""
+        local = self.local_spec(spec)
+        self.kv_caches = allocate_kv_caches(local, num_blocks, self.device)
+        host_kv_caches = (
+            allocate_kv_caches(local, num_host_blocks, torch.device("cpu"),
+                               pin_memory=self.device.type == "cuda")
+            if num_host_blocks else None
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, spec.block_size, self.device,
-            seed=self.spec.seed,
+            seed=self.spec.seed, host_kv_caches=host_kv_caches,
         )  # fmt: skip
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
