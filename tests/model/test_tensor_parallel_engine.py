@@ -10,6 +10,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.planner.layers import kv_layout
+from kvserve.planner.plan import engine_kv_capacity, kv_capacity
+from kvserve.planner.readers import load_model_shape
 
 BLOCK = 16
 A = [(i * 7919) % 40000 + 7 for i in range(60)]
@@ -48,8 +51,28 @@ def test_tp2_engine_equals_one_rank_with_int8_preemption_host_tier_and_n2(tiny_d
     two = make(tiny_dir, 2)
     try:
         assert two.engine.sizing.num_blocks == 12
-        spec = two.engine.sizing.spec
-        assert (spec.num_kv_heads, spec.dtype) == (1, "int8")  # per rank
+        sizing = two.engine.sizing
+        assert (sizing.spec.num_kv_heads, sizing.spec.dtype) == (1, "int8")  # per rank
+        # the planner counts the same per-rank bytes, blocks and concurrency
+        budget = 12 * BLOCK * 80
+        planned = kv_capacity(kv_layout(load_model_shape(tiny_dir), "int8", BLOCK, 2), budget,
+                              12 * BLOCK)  # fmt: skip
+        assert planned == engine_kv_capacity(
+            2,
+            2,
+            16,
+            "float32",
+            block_size=BLOCK,
+            kv_cache_dtype="int8",
+            kv_cache_memory=budget,
+            max_model_len=12 * BLOCK,
+            tensor_parallel_size=2,
+        )
+        assert (
+            (planned.bytes_per_token, planned.num_blocks, planned.max_concurrency)
+            == (sizing.spec.bytes_per_token, sizing.num_blocks, sizing.max_concurrency)
+            == (80, 12, 1.0)
+        )
         tokens, stats = run(two)
         assert tokens == reference
         assert stats.num_preemptions == one_stats.num_preemptions >= 1
