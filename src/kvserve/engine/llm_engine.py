@@ -16,9 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
+
+if TYPE_CHECKING:
+    from kvserve.executor.tensor_parallel import TensorParallelExecutor
 
 from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import allocate_kv_caches
@@ -39,7 +43,6 @@ from kvserve.engine.sizing import (
 from kvserve.engine.stopping import StopStrings
 from kvserve.errors import ParameterError
 from kvserve.executor.base import Executor, ExecutorFailedError
-from kvserve.executor.tensor_parallel import TensorParallelExecutor
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER
@@ -118,6 +121,8 @@ class LLMEngine:
         )
         self.executor: TensorParallelExecutor | None = None
         if config.load.tensor_parallel_size > 1:  # rank 0 here, the other ranks started
+            from kvserve.executor.tensor_parallel import TensorParallelExecutor
+
             self.executor = TensorParallelExecutor(config.load, checkpoint, self.dtype, self.device)
             self.model = self.executor.model
         else:

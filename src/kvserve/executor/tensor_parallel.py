@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from kvserve.config import LoadConfig, format_bytes
+from kvserve.errors import ParameterError
 from kvserve.executor.base import ExecutorFailedError, WorkerSpec
 from kvserve.executor.worker import STORE_TIMEOUT, Worker, broadcast_object
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
+from kvserve.models.parallel import shard_plan
 from kvserve.runner import platform
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -57,6 +59,13 @@ class Launcher(Protocol):
 
 def make_launcher(backend: str) -> Launcher:
     if backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ParameterError(
+                "--distributed-executor-backend",
+                "ray needs Ray: pip install 'kvserve[ray]' (or use mp)",
+            ) from None
         from kvserve.executor.ray_actors import RayLauncher
 
         return RayLauncher()
@@ -77,6 +86,7 @@ class TensorParallelExecutor:
         launcher: Launcher | None = None,
     ) -> None:
         size = load.tensor_parallel_size
+        shard_plan(checkpoint.config, size)  # ParameterError for a size the heads refuse
         self.tensor_parallel_size = size
         self.backend_name = load.distributed_executor_backend
         self.failure: ExecutorFailedError | None = None
