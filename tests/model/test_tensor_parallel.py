@@ -158,6 +158,15 @@ def test_random_8q_2kv_model_equals_tp1(tp):
     assert_parity(RANDOM_8Q_2KV, random_weights(RANDOM_8Q_2KV), tp)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])
+def test_tiny_checkpoints_equal_tp1(tiny_model_dir, arch):
+    """Qwen2 (QKV bias, tied embeddings) and Llama 3 (RoPE scaling, untied LM head) from
+    their saved checkpoints: 4 query / 2 KV heads on 2 ranks."""
+    checkpoint = load_checkpoint(str(tiny_model_dir(arch, 0.1)[0]))
+    assert checkpoint.config.attention_bias == (arch == "qwen2")
+    assert_parity(checkpoint.config, checkpoint.weights, tp=2)
+
+
 def test_shard_plan_of_the_head_rules():
     smol = shard_plan(replace(RANDOM_8Q_2KV, num_heads=9, num_kv_heads=3), 2)
     assert [(s.q_heads, s.kv_heads) for s in smol] == [
