@@ -42,7 +42,7 @@ from kvserve.engine.sizing import (
 )
 from kvserve.engine.stopping import StopStrings
 from kvserve.errors import ParameterError
-from kvserve.executor.base import Executor, ExecutorFailedError
+from kvserve.executor.base import ExecutorFailedError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER
@@ -252,7 +252,7 @@ class LLMEngine:
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
         )  # fmt: skip
-        self.runner: Executor = self.executor or ModelRunner(
+        self.runner: ModelRunner | TensorParallelExecutor = self.executor or ModelRunner(
             self.model, self.kv_caches, self.attention, spec.block_size, self.device,
             seed=self.config.load.seed, host_kv_caches=host_kv_caches,
         )  # fmt: skip
