@@ -39,8 +39,9 @@ def http(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[http
 
 
 @pytest.fixture(scope="session")
-def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One local Ray cluster (`ray start --head`) for every module that needs one, stopped at
-    the end of the session: 4 logical CPUs, for two Serve replicas and a tensor-parallel rank."""
-    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=4) as address:
-        yield address
+    the end of the session; yields its clients' variables (RAY_ADDRESS, ...). 4 logical CPUs:
+    two Serve replicas and a tensor-parallel rank."""
+    with ray_cluster(tmp_path_factory.mktemp("ray"), num_cpus=4) as env:
+        yield env

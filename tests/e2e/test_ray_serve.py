@@ -24,9 +24,9 @@ START_TIMEOUT_S = 180.0
 
 
 @pytest.fixture(scope="module")
-def serve_url(tmp_path_factory, ray_address) -> Iterator[str]:
+def serve_url(tmp_path_factory, ray_env) -> Iterator[str]:
     log_dir = tmp_path_factory.mktemp("ray-serve")
-    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    env = {**os.environ, **ray_env}
     port = free_port()
     log = (log_dir / "serve.log").open("w")
     subprocess.run([ray_bin("serve"), "start", "--http-port", str(port)], env=env,

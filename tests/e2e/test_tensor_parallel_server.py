@@ -61,9 +61,9 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit_non_zero(mp_server):
     assert f"tensor-parallel worker rank 1 died (pid {pid}, killed by signal 9)" in mp_server.log()
 
 
-def test_ray_server_passes_the_smoke_test(server_factory, ray_address, reference):
+def test_ray_server_passes_the_smoke_test(server_factory, ray_env, reference):
     server = server_factory(*TP_ARGS, "--distributed-executor-backend", "ray",
-                            env={"RAY_ADDRESS": ray_address})  # fmt: skip
+                            env=ray_env)  # fmt: skip
     server.wait_healthy()
     assert "tensor parallel: 2 ranks (ray, gloo)" in server.log()
     openai_smoke(server.base_url, reference)
