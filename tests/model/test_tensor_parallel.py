@@ -19,6 +19,7 @@ from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import ModelConfig
 from kvserve.errors import ParameterError
+from kvserve.executor.base import split_cpu_plan
 from kvserve.executor.worker import make_process_group
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import LlamaForCausalLM
@@ -26,6 +27,7 @@ from kvserve.models.loader import load_checkpoint
 from kvserve.models.parallel import TPGroup, build_sharded_model, shard_plan
 from kvserve.request import SamplingParams
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
+from kvserve.runner.platform import CpuThreadPlan
 from kvserve.step import ScheduledRequest
 
 CPU = torch.device("cpu")
@@ -165,6 +167,20 @@ def test_tiny_checkpoints_equal_tp1(tiny_model_dir, arch):
     checkpoint = load_checkpoint(str(tiny_model_dir(arch, 0.1)[0]))
     assert checkpoint.config.attention_bias == (arch == "qwen2")
     assert_parity(checkpoint.config, checkpoint.weights, tp=2)
+
+
+def test_the_cpu_thread_plan_is_shared_out_among_the_ranks():
+    pinned = CpuThreadPlan((1, 2, 3, 4, 5), pin=True, server_cpus=(0,))
+    assert split_cpu_plan(pinned, 2, pin_workers=True) == (
+        CpuThreadPlan((1, 2, 3), pin=True, server_cpus=(0,)),
+        CpuThreadPlan((4, 5), pin=True),
+    )
+    assert split_cpu_plan(pinned, 2, pin_workers=False)[1] == CpuThreadPlan((4, 5), pin=False)
+    two = CpuThreadPlan((0, 1), pin=False)  # `auto` on this 2-core machine: one thread each
+    assert split_cpu_plan(two, 2, True) == (CpuThreadPlan((0,), False), CpuThreadPlan((1,), False))
+    one = CpuThreadPlan((0,), pin=False)
+    assert split_cpu_plan(one, 2, True) == (one, one)
+    assert split_cpu_plan(None, 3, True) == (None, None, None)  # OMP_NUM_THREADS decides
 
 
 def test_shard_plan_of_the_head_rules():

@@ -123,7 +123,10 @@ class LLMEngine:
         if config.load.tensor_parallel_size > 1:  # rank 0 here, the other ranks started
             from kvserve.executor.tensor_parallel import TensorParallelExecutor
 
-            self.executor = TensorParallelExecutor(config.load, checkpoint, self.dtype, self.device)
+            self.executor = TensorParallelExecutor(
+                config.load, checkpoint, self.dtype, self.device, self.cpu_threads
+            )
+            self.cpu_threads = self.executor.cpu_threads  # rank 0's share of the CPUs
             self.model = self.executor.model
         else:
             model_cls = get_model_class(checkpoint.config.architecture)

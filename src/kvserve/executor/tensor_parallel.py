@@ -21,12 +21,13 @@ import torch.distributed as dist
 
 from kvserve.config import LoadConfig, format_bytes
 from kvserve.errors import ParameterError
-from kvserve.executor.base import ExecutorFailedError, WorkerSpec
+from kvserve.executor.base import ExecutorFailedError, WorkerSpec, split_cpu_plan
 from kvserve.executor.worker import STORE_TIMEOUT, Worker, broadcast_object
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
 from kvserve.models.parallel import shard_plan
 from kvserve.runner import platform
+from kvserve.runner.platform import CpuThreadPlan
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvserve")
@@ -83,8 +84,11 @@ class TensorParallelExecutor:
         checkpoint: Checkpoint,
         dtype: torch.dtype,
         device: torch.device,
+        cpu_threads: CpuThreadPlan | None = None,
         launcher: Launcher | None = None,
     ) -> None:
+        """`cpu_threads`: the engine's --cpu-threads-bind plan, shared out among the ranks;
+        `self.cpu_threads` is rank 0's share, for the engine thread to bind to."""
         size = load.tensor_parallel_size
         shard_plan(checkpoint.config, size)  # ParameterError for a size the heads refuse
         self.tensor_parallel_size = size
@@ -93,9 +97,14 @@ class TensorParallelExecutor:
         self._on_failure: Callable[[ExecutorFailedError], None] | None = None
         self._closed = False
         self.launcher = launcher or make_launcher(load.distributed_executor_backend)
-        num_threads = max(1, len(os.sched_getaffinity(0)) // size)
-        if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(num_threads)
+        cpu_plans = (
+            split_cpu_plan(cpu_threads, size, pin_workers=load.distributed_executor_backend == "mp")
+            if device.type == "cpu" else (None,) * size
+        )  # fmt: skip
+        self.cpu_threads = cpu_plans[0]  # rank 0's share: the engine thread binds to it
+        if self.cpu_threads is not None:
+            torch.set_num_threads(len(self.cpu_threads.compute_cpus))
+            platform.bind_compute_threads(self.cpu_threads)
         self._store = dist.TCPStore(
             self.launcher.host, 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False
         )
@@ -103,7 +112,7 @@ class TensorParallelExecutor:
             model=load.model, dtype=platform.dtype_name(dtype), device=device.type,
             attention_backend=load.attention_backend, tensor_parallel_size=size,
             store_host=self.launcher.host, store_port=self._store.port, seed=load.seed,
-            num_threads=num_threads,
+            cpu_plans=cpu_plans,
         )  # fmt: skip
         started = time.monotonic()
         self.launcher.start(spec)

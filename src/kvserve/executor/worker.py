@@ -25,6 +25,7 @@ from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.parallel import TPGroup, build_sharded_model, shard_plan
 from kvserve.models.registry import get_model_class
+from kvserve.runner import platform
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -153,8 +154,10 @@ class Worker:
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """A rank > 0 from start to end: join, then follow rank 0's calls until it sends None."""
-    if spec.device != "cuda":
-        torch.set_num_threads(spec.num_threads)
+    cpu_plan = spec.cpu_plans[rank]
+    if cpu_plan is not None:  # this process's main thread runs the steps: its team
+        torch.set_num_threads(len(cpu_plan.compute_cpus))
+        platform.bind_compute_threads(cpu_plan)
     store = dist.TCPStore(
         spec.store_host, spec.store_port, spec.tensor_parallel_size, False, timeout=STORE_TIMEOUT
     )
