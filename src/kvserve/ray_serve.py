@@ -21,6 +21,7 @@ client reads the same events, not incrementally.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvserve.config import EngineConfig
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.flags import add_engine_args, engine_config_from_args
@@ -81,10 +83,8 @@ class Reply:
     replica: str
 
 
-def engine_config_from_argv(argv: list[str]):  # noqa: ANN201 - EngineConfig
+def engine_config_from_argv(argv: list[str]) -> EngineConfig:
     """`kvserve serve`'s engine flags (a list of words) -> EngineConfig."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="kvserve.ray_serve engine_args", add_help=False)
     add_engine_args(parser)
     return engine_config_from_args(parser.parse_args(argv))

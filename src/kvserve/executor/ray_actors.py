@@ -11,6 +11,7 @@ ActorDiedError when the actor's process dies) is how the monitor learns of a dea
 from __future__ import annotations
 
 import logging
+import os
 
 from kvserve.executor.base import WorkerSpec
 
@@ -27,8 +28,6 @@ class _RankActor:
         return rank
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
