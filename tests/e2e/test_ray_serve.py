@@ -19,6 +19,8 @@ from smoke import openai_smoke, reference_text
 from kvserve.bench.launcher import free_port
 from kvserve.ray_serve import REPLICA_HEADER
 
+pytestmark = pytest.mark.ray
+
 ENGINE_ARGS = "--dtype float32 --kv-cache-memory 32MiB --max-model-len 512"
 START_TIMEOUT_S = 180.0
 

@@ -61,6 +61,7 @@ def test_killed_worker_makes_the_server_unhealthy_and_exit_non_zero(mp_server):
     assert f"tensor-parallel worker rank 1 died (pid {pid}, killed by signal 9)" in mp_server.log()
 
 
+@pytest.mark.ray
 def test_ray_server_passes_the_smoke_test(server_factory, ray_env, reference):
     server = server_factory(*TP_ARGS, "--distributed-executor-backend", "ray",
                             env=ray_env)  # fmt: skip
