@@ -499,6 +499,24 @@ static float softmax_in_place(float *s, int64_t n, float *max_out) {
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* Block b of a sequence's table in `cache` (bytes), with the next block prefetched; *count:
+ * how many of its rows the sequence uses. */
+static inline const char *walk_block(const void *cache, const int64_t *table, int64_t b,
+                                     int64_t num_blocks, int64_t block_bytes, int64_t seq_len,
+                                     int block_size, int *count) {
+    if (b + 1 < num_blocks)
+        prefetch_rows((const char *)cache + table[b + 1] * block_bytes, block_bytes);
+    int64_t left = seq_len - b * block_size;
+    *count = (int)(left < block_size ? left : block_size);
+    return (const char *)cache + table[b] * block_bytes;
+}
+
+/* rows[o] = row o of a block for one KV head (offset bytes into each row). */
+static inline void head_rows(const char *block, int count, int64_t row_stride, int64_t offset,
+                             const void **rows) {
+    for (int o = 0; o < count; o++) rows[o] = block + o * row_stride + offset;
+}
+
 /* One sequence over a bf16 or 8-bit cache, with bf16-exact queries (a bf16 model), in two
  * passes: every score first (bf16 dot products; 8-bit K codes widened to bf16 exactly, times
  * their scales), one softmax per head over the whole sequence, then p x V in float32 with
@@ -528,13 +546,11 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
     const void *rows[32];
     const uint16_t *kbf[16]; /* bf16_scores16 fills the rows past a short span */
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 1: scores */
-        const char *block = (const char *)key + table[b] * block_bytes;
-        if (b + 1 < num_blocks)
-            prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
-        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
-                                                                : block_size);
+        int count;
+        const char *block = walk_block(key, table, b, num_blocks, block_bytes, seq_len,
+                                       block_size, &count);
         for (int h = 0; h < num_kv_heads; h++) {
-            for (int o = 0; o < count; o++) rows[o] = block + o * row_stride + (int64_t)h * dim * elem;
+            head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
             for (int start = 0; start < count; start += 16) {
                 int n = count - start < 16 ? count - start : 16;
                 int64_t row0 = b * block_size + start;
@@ -558,13 +574,11 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
         inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len, &max_score[head]);
     memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 2: p x V */
-        const char *block = (const char *)value + table[b] * block_bytes;
-        if (b + 1 < num_blocks)
-            prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
-        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
-                                                                : block_size);
+        int count;
+        const char *block = walk_block(value, table, b, num_blocks, block_bytes, seq_len,
+                                       block_size, &count);
         for (int h = 0; h < num_kv_heads; h++) {
-            for (int o = 0; o < count; o++) rows[o] = block + o * row_stride + (int64_t)h * dim * elem;
+            head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
             for (int start = 0; start < count; start += 16) {
                 int n = count - start < 16 ? count - start : 16;
                 int64_t row0 = b * block_size + start;
