@@ -37,7 +37,8 @@ from kvserve.config import cache_dir
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "omp_affinity.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c")
 )
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
@@ -214,6 +215,9 @@ def _open(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr]
     fn.restype = i32
     lib.bind_omp_threads.argtypes, lib.bind_omp_threads.restype = [ptr, i32], i32
+    store = lib.kv_quantize_store
+    store.argtypes = [ptr, i32, ctypes.c_int64, ptr, ptr, ptr] + [i32] * 5
+    store.restype = i32
     return lib
 
 

@@ -14,6 +14,34 @@ import torch
 from kvserve.kv import quant
 from kvserve.kv.spec import KVCacheSpec
 
+_C_SOURCE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_C_TARGET_KINDS = {"int8": 3, "fp8_e4m3": 5, "fp8_e5m2": 6}
+
+
+def _store_quantized_in_c(
+    x: torch.Tensor,
+    flat: torch.Tensor,
+    scales: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    layer: LayerKVCache,
+) -> bool:
+    """Quantize and store `x` in one pass through the C kernel library (csrc/kv_quantize.c,
+    the same codes as kv/quant.py bit for bit); False where it does not apply (another
+    device or dtype, no compiler), and the torch path stores instead."""
+    if x.device.type != "cpu" or x.dtype not in _C_SOURCE_KINDS or x.stride(-1) != 1:
+        return False
+    from kvserve.attention.cpu_kernels import load_paged_decode, paged_decode_available
+
+    if not paged_decode_available() or x.stride(1) != x.shape[2]:
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    load_paged_decode().kv_quantize_store(
+        x.data_ptr(), _C_SOURCE_KINDS[x.dtype], x.stride(0), flat.data_ptr(),
+        None if scales is None else scales.data_ptr(), slots.data_ptr(), x.shape[0],
+        x.shape[1], x.shape[2], _C_TARGET_KINDS[layer.kv_dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return True
+
 
 @dataclass
 class LayerKVCache:
@@ -32,6 +60,8 @@ class LayerKVCache:
         heads, dim = self.key.shape[2], self.key.shape[3]
         for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
             flat = cache.view(-1, heads, dim)
+            if self.quantized and _store_quantized_in_c(x, flat, scales, slot_mapping, self):
+                continue
             if self.quantized:
                 data, scale = quant.quantize(x, self.kv_dtype)
                 flat.index_copy_(0, slot_mapping, data)

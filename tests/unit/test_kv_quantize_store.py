@@ -1,0 +1,72 @@
+"""The one-pass C quantize-and-store (attention/csrc/kv_quantize.c) against kv/quant.py: the
+same codes and scales, bit for bit, for every 8-bit dtype, from float32 and bfloat16 rows, in
+contiguous and strided (a column slice of a fused QKV output) layouts, with tiny values
+(fp8 subnormals), zeros, values past the formats' ranges and ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.kv import quant
+
+pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+
+
+def rows(dtype: torch.dtype, strided: bool, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(37, 3, 64, generator=gen) * torch.logspace(-9, 5, 37)[:, None, None]
+    x[3] = 0.0  # an all-zero row: the minimum scale
+    x[4, 1, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 1e-7, -3e-9, 4e-8])  # ties, tiny
+    x[5] = x[5].sign() * 70000.0  # past fp8_e5m2's range: clamped
+    x = x.to(dtype)
+    if strided:  # v as the model makes it: a view into wider rows
+        wide = torch.zeros(37, 5 * 64, dtype=dtype)
+        wide[:, 128:320] = x.reshape(37, 192)
+        x = wide[:, 128:320].view(37, 3, 64)
+        assert not x.is_contiguous()
+    return x
+
+
+def empty_cache(kv_dtype: str, num_slots: int, heads: int) -> LayerKVCache:
+    store = quant.storage_dtype(kv_dtype)
+    shape = (num_slots // 16, 16, heads, 64)
+    scaled = kv_dtype in quant.SCALED_DTYPES
+    return LayerKVCache(
+        torch.zeros(shape, dtype=store), torch.zeros(shape, dtype=store),
+        torch.zeros(shape[:3]) if scaled else None, torch.zeros(shape[:3]) if scaled else None,
+        kv_dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", quant.QUANTIZED_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_codes_and_scales_equal_the_torch_quantizer(kv_dtype, dtype, strided):
+    gen = torch.Generator().manual_seed(11)
+    x = rows(dtype, strided, gen)
+    cache = empty_cache(kv_dtype, 160, 3)
+    slots = torch.randperm(160, generator=gen)[:37]
+    cache.write(slots, x, x)
+    codes, scales = quant.quantize(x, kv_dtype)
+    assert torch.equal(cache.key.view(-1, 3, 64)[slots], codes)
+    assert torch.equal(cache.value.view(-1, 3, 64)[slots], codes)
+    if scales is not None:
+        assert torch.equal(cache.key_scale.view(-1, 3)[slots], scales)
+    untouched = torch.ones(160, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache.key.view(-1, 3, 64)[untouched].any()  # nothing else written
+
+
+@pytest.mark.parametrize("kv_dtype", list(quant.FP8_TORCH_DTYPES))
+def test_every_fp8_value_is_stored_as_torch_stores_it(kv_dtype):
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = values.view(quant.FP8_TORCH_DTYPES[kv_dtype]).float()
+    values = values[values.isfinite()]
+    x = values[: values.numel() // 64 * 64].view(-1, 1, 64)
+    cache = empty_cache(kv_dtype, 16, 1)
+    slots = torch.arange(x.shape[0])
+    cache.write(slots, x, x)
+    codes, _ = quant.quantize(x, kv_dtype)
+    assert torch.equal(cache.key.view(-1, 1, 64)[slots], codes)
