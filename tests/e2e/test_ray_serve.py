@@ -16,7 +16,7 @@ import pytest
 from ray_cluster import ray_bin, stop_session
 from smoke import openai_smoke, reference_text
 
-from kvserve.bench.launcher import free_port
+from kvserve.bench.launcher import ServerProcess, free_port
 from kvserve.ray_serve import REPLICA_HEADER
 
 pytestmark = pytest.mark.ray
@@ -39,26 +39,14 @@ def serve_url(tmp_path_factory, ray_env) -> Iterator[str]:
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log_dir / "serve.log")
+        server = ServerProcess(process, port, log_dir / "serve.log")
+        server.wait_healthy(START_TIMEOUT_S)  # RuntimeError with the log if `serve run` exits
+        url = server.base_url
         wait_for_replicas(env, 2)
         yield url
     finally:
         stop_session(process)
         log.close()
-
-
-def wait_healthy(url: str, process: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log_path.read_text()[-4000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"Ray Serve not healthy:\n{log_path.read_text()[-4000:]}")
 
 
 STATUS_SCRIPT = """
