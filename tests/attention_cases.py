@@ -36,6 +36,20 @@ def filled_cache(kv_dtype, num_blocks, block_size, heads, dim, gen, device=CPU) 
     return cache
 
 
+def decode_metadata(seq_lens: list[int], num_blocks: int, block_size: int, gen):
+    """Each sequence gets distinct, shuffled blocks; tables padded with block 0 like the runner."""
+    width = max(-(-n // block_size) for n in seq_lens)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    used = 0
+    for row, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        tables[row, :count] = order[used : used + count]
+        used += count
+    lens = torch.tensor(seq_lens)
+    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, ())
+
+
 def mixed_step(block_size: int, gen: torch.Generator, device=CPU):
     """3 decodes, then 3 prefill spans: a fresh prompt, a chunk after 21 cached tokens, and a
     200-token chunk (two query tiles) after 37; every new token gets a fresh slot.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import KV_DTYPES, SHAPES, decode_metadata, filled_cache
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
@@ -16,47 +17,9 @@ from kvserve.kv import quant
 
 pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
 
-KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"]
-
-
-def filled_cache(kv_dtype: str, num_blocks: int, block_size: int, heads: int, dim: int, gen):
-    """A layer cache with every slot written through the real (quantizing) write path."""
-    shape = (num_blocks, block_size, heads, dim)
-    scaled = kv_dtype in quant.SCALED_DTYPES
-    store = quant.storage_dtype(kv_dtype)
-    cache = LayerKVCache(
-        torch.zeros(shape, dtype=store),
-        torch.zeros(shape, dtype=store),
-        torch.ones(shape[:3]) if scaled else None,
-        torch.ones(shape[:3]) if scaled else None,
-        kv_dtype,
-    )
-    slots = torch.arange(num_blocks * block_size)
-    keys = torch.randn(len(slots), heads, dim, generator=gen)
-    values = torch.randn(len(slots), heads, dim, generator=gen)
-    cache.write(slots, keys, values)
-    return cache
-
-
-def decode_metadata(seq_lens: list[int], num_blocks: int, block_size: int, gen):
-    """Each sequence gets distinct, shuffled blocks; tables padded with block 0 like the runner."""
-    width = max(-(-n // block_size) for n in seq_lens)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.long)
-    used = 0
-    for row, n in enumerate(seq_lens):
-        count = -(-n // block_size)
-        tables[row, :count] = order[used : used + count]
-        used += count
-    lens = torch.tensor(seq_lens)
-    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, ())
-
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)],
-)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), SHAPES)
 def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77, 5]

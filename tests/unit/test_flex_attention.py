@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import KV_DTYPES, SHAPES, filled_cache, mixed_step
-from test_cpu_paged_attention import decode_metadata
+from attention_cases import KV_DTYPES, SHAPES, decode_metadata, filled_cache, mixed_step
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention import select_backend

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_cases import filled_cache
 
 from kvserve.attention import select_backend
 from kvserve.attention.cpu_kernels import paged_decode_available
@@ -13,7 +14,6 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.request import SamplingParams
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
 from kvserve.step import ScheduledRequest
-from tests.unit.test_cpu_paged_attention import filled_cache
 
 pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
 
