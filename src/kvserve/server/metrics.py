@@ -58,10 +58,7 @@ class _EngineStatsCollector(Collector):
             (counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits),
         ]  # fmt: skip
-        for cls, name, doc, value in rows:
-            family = cls(f"kvserve:{name}", doc, labels=list(self._labels))
-            family.add_metric(list(self._labels.values()), value)
-            yield family
+        yield from self._families(rows)
         misses = counter(
             "kvserve:prefix_cache_miss_tokens",
             "Prompt tokens not served from the prefix cache, by reason (below_block_size, "
@@ -77,6 +74,13 @@ class _EngineStatsCollector(Collector):
         )
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
+
+    def _families(self, rows: list[tuple[type, str, str, float]]) -> Iterator[Metric]:
+        """One family per (kind, name, help, value) row, with the server's labels."""
+        for cls, name, doc, value in rows:
+            family = cls(f"kvserve:{name}", doc, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), value)
+            yield family
 
     def _host_tier(self, s: SchedulerStats) -> Iterator[Metric]:
         """The prefix-cache hits of each tier, and the host tier's own figures (zeros without
@@ -101,10 +105,7 @@ class _EngineStatsCollector(Collector):
             (counter, "kv_loaded_blocks", "Blocks copied back from the host tier (its hits).",
              s.num_loaded_blocks),
         ]  # fmt: skip
-        for cls, name, doc, value in rows:
-            family = cls(f"kvserve:{name}", doc, labels=list(self._labels))
-            family.add_metric(list(self._labels.values()), value)
-            yield family
+        yield from self._families(rows)
 
 
 class ServerMetrics:
