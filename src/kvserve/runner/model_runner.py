@@ -42,6 +42,7 @@ class BatchInput:
     slot_mapping: torch.Tensor  # [T] block_id * block_size + offset
     logits_indices: torch.Tensor  # [S] last token of each request that samples
     num_decodes: int
+    shared_prefix_blocks: int  # see shared_prefix_blocks()
 
 
 def build_batch_input(
@@ -75,6 +76,7 @@ def build_batch_input(
         slot_mapping=slots.to(device),
         logits_indices=logits_indices.to(device),
         num_decodes=sum(1 for n in num_tokens if n == 1),
+        shared_prefix_blocks=shared_prefix_blocks(requests, block_tables, block_size),
     )
 
 
@@ -94,19 +96,20 @@ def build_attention_metadata(batch: BatchInput, block_size: int) -> AttentionMet
         decode_block_tables=batch.block_tables[:d],
         decode_seq_lens=batch.seq_lens[:d],
         prefills=tuple(prefills),
-        shared_prefix_blocks=shared_prefix_blocks(batch, block_size),
+        shared_prefix_blocks=batch.shared_prefix_blocks,
     )
 
 
-def shared_prefix_blocks(batch: BatchInput, block_size: int) -> int:
-    """Leading block ids common to every sequence of the step, counting only blocks wholly
-    before every sequence's first query token (all of them cached context)."""
-    if batch.block_tables.shape[0] < 2:
+def shared_prefix_blocks(
+    requests: list[ScheduledRequest], block_tables: torch.Tensor, block_size: int
+) -> int:
+    """Leading block ids common to every sequence of the step (block_tables: [B, max_blocks],
+    on the CPU, before the batch moves to its device), counting only blocks wholly before every
+    sequence's first query token (all of them cached context)."""
+    if len(requests) < 2:
         return 0
-    tables = batch.block_tables
-    common = int((tables == tables[:1]).all(0).int().cumprod(0).sum())
-    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    min_context = int((batch.seq_lens - query_lens).min())
+    common = int((block_tables == block_tables[:1]).all(0).int().cumprod(0).sum())
+    min_context = min(r.start_position for r in requests)
     return min(common, min_context // block_size)
 
 
