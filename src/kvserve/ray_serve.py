@@ -97,8 +97,10 @@ class KVServeReplica:
         from ray import serve
 
         config = engine_config_from_argv(engine_argv)
-        engine = LLMEngine(config)
-        self.async_llm = AsyncLLM(engine, config.limits.max_waiting_requests)
+        self.async_llm = AsyncLLM.launch(
+            lambda: LLMEngine(config), config.limits.max_waiting_requests
+        )  # built on its engine thread, as in kvserve serve (see AsyncLLM.launch)
+        engine = self.async_llm.engine
         server_config = ServerConfig(served_model_name=served_model_name, log_stats_interval=0)
         ctx = serving_context(self.async_llm, server_config, config.limits,
                               ServerTokenizers(engine.tokenizer))  # fmt: skip

@@ -260,3 +260,43 @@ def test_a_full_waiting_queue_refuses_new_requests():
 
     run_with(engine, scenario, max_waiting_sequences=4)
     assert "over" not in engine.requests and "n2" not in engine.requests
+
+
+def test_launch_builds_the_engine_on_the_thread_that_steps_it():
+    """One thread runs every torch op: a second thread's OpenMP team would throttle libgomp's
+    barrier spinning (see AsyncLLM.launch)."""
+    built_on: list[int] = []
+
+    def build() -> FakeEngine:
+        built_on.append(threading.get_ident())
+        return FakeEngine()
+
+    llm = AsyncLLM.launch(build)  # type: ignore[arg-type, return-value]
+    assert built_on and built_on[0] != threading.get_ident()
+    assert llm.engine.num_steps == 0  # nothing steps before start()
+    llm.start()
+    try:
+
+        async def scenario() -> list[int]:
+            outputs = [o async for o in llm.generate("r", [1], SamplingParams(max_tokens=3))]
+            return outputs[-1].outputs[0].token_ids
+
+        assert asyncio.run(asyncio.wait_for(scenario(), timeout=10)) == [1, 2, 3]
+    finally:
+        llm.shutdown()
+    assert llm.engine.threads == set(built_on)  # add, steps and close: the building thread
+
+
+def test_launch_raises_what_the_build_raises():
+    def build() -> FakeEngine:
+        raise ValueError("--kv-cache-memory: too small")
+
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        AsyncLLM.launch(build)  # type: ignore[arg-type]
+
+
+def test_a_launched_engine_shut_down_before_start_is_closed_on_its_thread():
+    llm = AsyncLLM.launch(FakeEngine)  # type: ignore[arg-type]
+    llm.shutdown()
+    assert not llm._thread.is_alive()
+    assert len(llm.engine.threads) == 1 and threading.get_ident() not in llm.engine.threads

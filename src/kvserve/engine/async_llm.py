@@ -12,6 +12,13 @@ The engine is not thread-safe, so exactly one thread (``kvserve-engine``) ever t
 Outputs are cumulative, so a consumer that falls behind only needs the newest one: `generate`
 drains its queue and yields the latest output, never a backlog.
 
+The engine thread also builds the engine (`AsyncLLM.launch`), so that one thread runs every
+torch op of the process.  libgomp keeps a thread team for each thread that ever ran a parallel
+region; an engine built on the main thread and stepped on another leaves two teams, more
+OpenMP threads than CPUs on a small machine, and libgomp then throttles its barrier spinning to
+~100 spins: every parallel region ends in a futex sleep and wake-up.  That cost served W1 30%
+(offline W1 stepped from a second thread: 30.0 s against 23.1 s; built there too: 24.3 s).
+
 Faults: a step that raises fails only its own requests (their streams get
 RequestFailedError, their blocks are freed) and the engine goes on.  When it cannot go on
 (MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row, broken bookkeeping, any error outside a
@@ -38,6 +45,7 @@ from kvserve.step import RequestOutput, SchedulerStats
 
 logger = logging.getLogger("kvserve")
 
+ENGINE_THREAD = "kvserve-engine"
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the fault is not in one request: stop serving
 
 
@@ -81,8 +89,32 @@ class AsyncLLM:
         self._stopping = False
         self._error: BaseException | None = None
         self.stats: SchedulerStats = engine.get_stats()  # replaced (never mutated) per step
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
+        self._go: threading.Event | None = None  # set by launch(): its thread waits for start()
         engine.on_executor_failure(self._fail_from_outside)
+
+    @classmethod
+    def launch(
+        cls, build: Callable[[], LLMEngine], max_waiting_sequences: int | None = None
+    ) -> AsyncLLM:
+        """Build the engine on the thread that will step it, and return once it is built
+        (`start()` then starts the stepping).  Whatever `build` raises is raised here."""
+        built: concurrent.futures.Future[AsyncLLM] = concurrent.futures.Future()
+        go = threading.Event()
+
+        def engine_thread() -> None:
+            try:
+                owner = cls(build(), max_waiting_sequences)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                built.set_exception(exc)
+                return
+            owner._thread, owner._go = threading.current_thread(), go
+            built.set_result(owner)
+            go.wait()
+            owner._run()
+
+        threading.Thread(target=engine_thread, name=ENGINE_THREAD, daemon=True).start()
+        return built.result()
 
     def _fail_from_outside(self, error: BaseException) -> None:
         """A tensor-parallel rank died (any thread): unhealthy at once, and the engine thread
@@ -94,7 +126,10 @@ class AsyncLLM:
         """Start the engine thread; the calling thread (the server's event loop, and the
         tokenizer threads it starts later) then moves off the compute CPUs when
         --cpu-threads-bind reserves some for it."""
-        self._thread.start()
+        if self._go is not None:
+            self._go.set()
+        else:
+            self._thread.start()
         platform.bind_server_threads(self.engine.cpu_threads)
 
     @property
@@ -156,6 +191,8 @@ class AsyncLLM:
         EngineDeadError."""
         self._stopping = True
         self._wakeup.set()
+        if self._go is not None:
+            self._go.set()  # launched but never started: let _run close the engine and end
         if self._thread.is_alive():
             self._thread.join(timeout)
 

@@ -166,9 +166,12 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     interval = os.environ.get("KVSERVE_GIL_SWITCH_INTERVAL", GIL_SWITCH_INTERVAL_S)
     sys.setswitchinterval(float(interval))
     sock = _bind(config.host, config.port)
-    engine = LLMEngine(engine_config)
-    tokenizers = ServerTokenizers(engine.tokenizer)  # copies made before the engine thread runs
-    async_llm = AsyncLLM(engine, engine_config.limits.max_waiting_requests)
+    # Built on the engine thread (see AsyncLLM.launch): one thread runs every torch op.
+    async_llm = AsyncLLM.launch(
+        lambda: LLMEngine(engine_config), engine_config.limits.max_waiting_requests
+    )
+    # Copies made before the engine thread steps.
+    tokenizers = ServerTokenizers(async_llm.engine.tokenizer)
     try:
         ctx = serving_context(async_llm, config, engine_config.limits, tokenizers)
         uv_config = uvicorn.Config(
