@@ -195,7 +195,10 @@ class Scheduler:
                 )  # fmt: skip
                 in_flight.update(
                     cm.blocks_computed_in_step(
-                        request.request_id, request.all_token_ids, num_computed, num_new,
+                        request.request_id,
+                        request.all_token_ids,
+                        num_computed,
+                        num_new,
                         request.cache_salt,
                     )  # fmt: skip
                 )
@@ -227,8 +230,11 @@ class Scheduler:
                 request = self.requests[item.request_id]
                 blocks.update(
                     self.cache_manager.blocks_computed_in_step(
-                        item.request_id, request.all_token_ids, item.start_position,
-                        item.num_tokens, request.cache_salt,
+                        item.request_id,
+                        request.all_token_ids,
+                        item.start_position,
+                        item.num_tokens,
+                        request.cache_salt,
                     )  # fmt: skip
                 )
         return blocks
