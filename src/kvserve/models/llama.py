@@ -114,9 +114,7 @@ class LayerKernels:
     measured per 32-row decode step)."""
 
     pre_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    between_attentions: Callable[
-        ..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    ]
+    between_attentions: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     post_attention: Callable[..., torch.Tensor]
 
 
