@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.runner.sampling import SamplingBatch, _filtered_probs, sample
+from kvserve.runner.sampling import SamplingBatch, _argmax, _argmax_kernel, _filtered_probs, sample
 
 CPU = torch.device("cpu")
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
@@ -76,3 +76,36 @@ def test_sampling_follows_the_distribution():
     freq = (counts / 20000).tolist()
     for got, want in zip(freq, [0.5, 0.3, 0.15, 0.05], strict=True):
         assert abs(got - want) < 0.015
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 7, 16, 49, 1000, 49152])
+def test_argmax_is_torch_s_index_on_ties_nans_and_strided_rows(dtype, cols):
+    """The C argmax against torch's max(dim).indices: random rows, rows of ties (bf16 rounds
+    many neighbours to one value), a NaN row, and rows that are a strided slice."""
+    assert _argmax_kernel() is not None  # the C path is the one under test on this machine
+    gen = torch.Generator().manual_seed(cols)
+    wide = torch.randn(9, cols + 5, generator=gen).to(dtype)
+    wide[1] = 3.0  # every column ties: index 0
+    wide[2, cols // 2 :] = 1e4  # a tie from the middle: the first of them
+    wide[3, cols - 1] = float("nan")  # torch picks the NaN
+    wide[4, : cols // 3] = float("-inf")
+    logits = wide[:, :cols]  # row stride cols + 5
+    expected = logits.float().max(dim=-1).indices
+    assert _argmax(logits).tolist() == expected.tolist()
+    assert _argmax(logits[:1]).tolist() == expected[:1].tolist()  # one row: no thread team
+
+
+def test_greedy_rows_take_the_argmax_of_bf16_logits_as_float32_would():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4000, generator=gen).to(torch.bfloat16)
+    greedy = SamplingBatch.build(
+        [SamplingParams(temperature=0.0)] * 64, [None] * 64, [], vocab_size=4000, device=CPU
+    )
+    assert sample(logits, greedy).token_ids.tolist() == logits.float().argmax(-1).tolist()
+    with_logprobs = SamplingBatch.build(
+        [SamplingParams(temperature=0.0, logprobs=2)] * 64, [None] * 64, [], 4000, CPU
+    )
+    out = sample(logits, with_logprobs)
+    assert out.token_ids.tolist() == logits.float().argmax(-1).tolist()
+    assert out.logprobs is not None and out.logprobs.dtype == torch.float32

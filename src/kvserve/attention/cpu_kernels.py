@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c")
+    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c", "argmax_rows.c")
 )
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
@@ -218,6 +218,9 @@ def _open(path: Path) -> ctypes.CDLL:
     store = lib.kv_quantize_store
     store.argtypes = [ptr, i32, ctypes.c_int64, ptr, ptr, ptr] + [i32] * 5
     store.restype = i32
+    argmax = lib.argmax_rows
+    argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
+    argmax.restype = i32
     return lib
 
 

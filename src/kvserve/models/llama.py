@@ -219,11 +219,14 @@ class LlamaForCausalLM(nn.Module):
                 )
         return self.norm(kernels.post_attention(layers[-1], hidden, attn))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32, or in the model's dtype with
+        upcast=False (the sampler upcasts only when it needs to)."""
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        weight = (
-            self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        )
-        return F.linear(hidden, weight).float()
+            logits = self.logits_head(hidden)
+        else:
+            weight = (
+                self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            )
+            logits = F.linear(hidden, weight)
+        return logits.float() if upcast else logits

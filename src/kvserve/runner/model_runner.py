@@ -194,7 +194,7 @@ class ModelRunner:
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
         with record_function("kvserve::sample"):
             result = sample(logits, self._sampling_batch(sampling), self._shared_generator)
         token_ids = result.token_ids.tolist()
