@@ -70,3 +70,28 @@ def test_every_fp8_value_is_stored_as_torch_stores_it(kv_dtype):
     cache.write(slots, x, x)
     codes, _ = quant.quantize(x, kv_dtype)
     assert torch.equal(cache.key.view(-1, 1, 64)[slots], codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("num_tokens", [37, 1200])  # 1,200: the multi-threaded copy
+def test_a_cache_of_the_rows_dtype_stores_them_as_they_are(dtype, strided, num_tokens):
+    """The C copy store (csrc/kv_quantize.c kv_copy_store), which replaced index_copy_ for
+    unquantized caches: every row lands in its slot unchanged, nothing else is written."""
+    from kvserve.attention.kv_cache import _store_rows_in_c
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    wide = torch.randn(num_tokens, 5 * 64, generator=gen).to(dtype)
+    x = wide[:, 128:320].view(num_tokens, 3, 64) if strided else wide[:, :192].view(-1, 3, 64)
+    x = x if strided else x.contiguous()
+    shape = (2 * num_tokens // 16 + 1, 16, 3, 64)
+    cache = LayerKVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+                         None, None, "auto")  # fmt: skip
+    slots = torch.randperm(shape[0] * 16, generator=gen)[:num_tokens]
+    assert _store_rows_in_c(x, cache.key.view(-1, 3, 64), slots)  # the C path applies
+    cache.write(slots, x, -x)
+    assert torch.equal(cache.key.view(-1, 3, 64)[slots], x)
+    assert torch.equal(cache.value.view(-1, 3, 64)[slots], -x)
+    untouched = torch.ones(shape[0] * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache.key.view(-1, 3, 64)[untouched].any()

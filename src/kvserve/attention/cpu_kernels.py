@@ -212,12 +212,15 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_attention
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr]
+    fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr, i32]
     fn.restype = i32
     lib.bind_omp_threads.argtypes, lib.bind_omp_threads.restype = [ptr, i32], i32
     store = lib.kv_quantize_store
     store.argtypes = [ptr, i32, ctypes.c_int64, ptr, ptr, ptr] + [i32] * 5
     store.restype = i32
+    copy_store = lib.kv_copy_store
+    copy_store.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, ctypes.c_int64, i32]
+    copy_store.restype = i32
     argmax = lib.argmax_rows
     argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
     argmax.restype = i32

@@ -119,10 +119,12 @@ class CpuPagedBackend(TorchRefBackend):
         seq_lens: torch.Tensor,  # [B]
         scale: float,
         lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
-    ) -> torch.Tensor:  # [B, H, D] float32
+    ) -> torch.Tensor:  # [B, H, D]: bfloat16 for bfloat16 queries without lse, else float32
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads, block_size = kv_cache.key.shape[2], kv_cache.key.shape[1]
-        q = query.to(torch.float32).contiguous()
+        # A bf16 model's plain decode: the kernel widens q and rounds its output itself.
+        io_bf16 = query.dtype == torch.bfloat16 and lse is None
+        q = query.contiguous() if io_bf16 else query.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
@@ -132,7 +134,7 @@ class CpuPagedBackend(TorchRefBackend):
             _ptr(kv_cache.key_scale), _ptr(kv_cache.value_scale), _ptr(lut),
             self._kind(kv_cache), _ptr(tables), _ptr(lens),
             num_seqs, tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
-            block_size, scale, torch.get_num_threads(), _ptr(lse),
+            block_size, scale, torch.get_num_threads(), _ptr(lse), int(io_bf16),
         )  # fmt: skip
         if failed:
             raise MemoryError("paged decode attention: out of memory for its score buffer")

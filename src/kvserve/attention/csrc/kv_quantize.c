@@ -147,3 +147,15 @@ int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *c
     }
     return 0;
 }
+
+/* A step's K or V rows into a cache of their own dtype (no quantization): one memcpy of
+ * row_bytes per token (its heads x dim values, contiguous in x) to its slot.  torch's
+ * index_copy_ measured ~40 us per call for a 128-row decode step, two calls per layer. */
+int kv_copy_store(const void *x, int64_t token_stride_bytes, void *cache, const int64_t *slots,
+                  int num_tokens, int64_t row_bytes, int num_threads) {
+    #pragma omp parallel for num_threads(num_tokens >= 1024 ? num_threads : 1) schedule(static)
+    for (int t = 0; t < num_tokens; t++)
+        memcpy((char *)cache + slots[t] * row_bytes, (const char *)x + t * token_stride_bytes,
+               (size_t)row_bytes);
+    return 0;
+}

@@ -613,19 +613,38 @@ static int element_bytes(int kind) {
     return kind == KV_F32 ? 4 : (kind == KV_BF16 || kind == KV_F16) ? 2 : 1;
 }
 
-int paged_decode_attention(const float *query, float *out, const void *key, const void *value,
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch (no NaNs here) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* query and out are [num_seqs, num_heads, dim]: float32, or bfloat16 when io_bf16 (a bf16
+ * model's decode: each sequence's q is widened and its output rounded here, in the thread
+ * that attends it, instead of two conversions of the whole batch per layer in torch). */
+int paged_decode_attention(const void *query, void *out, const void *key, const void *value,
                            const float *key_scale, const float *value_scale, const float *lut,
                            int kind, const int64_t *block_tables, const int64_t *seq_lens,
                            int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
-                           int block_size, float sm_scale, int num_threads, float *lse) {
+                           int block_size, float sm_scale, int num_threads, float *lse,
+                           int io_bf16) {
     const int num_heads = num_kv_heads * group;
+    const int64_t row_floats = (int64_t)num_heads * dim;
     /* general path: 2 * heads + group * block_size + 2 * block_size * dim; fast path:
      * 16 * group + 8 * dim (16 rows of bf16) + heads * round_up(longest, 16) scores */
     int64_t longest = 0;
     for (int seq = 0; seq < num_seqs; seq++) longest = seq_lens[seq] > longest ? seq_lens[seq] : longest;
     size_t general = (size_t)2 * num_heads + (size_t)group * block_size + (size_t)2 * block_size * dim;
     size_t fast_work = (size_t)16 * group + (size_t)8 * dim + (size_t)num_heads * ((longest + 15) / 16 * 16);
-    const size_t work_floats = general > fast_work ? general : fast_work;
+    const size_t work_floats = (general > fast_work ? general : fast_work)
+                               + (io_bf16 ? 2 * (size_t)row_floats : 0);
 #if HAVE_BF16_DOT
     const int fast = (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
                      && fast_dim(dim) && block_size <= 32;
@@ -638,23 +657,38 @@ int paged_decode_attention(const float *query, float *out, const void *key, cons
             #pragma omp atomic write
             failed = 1;
         }
+        /* io_bf16: this sequence's q and output as float32, after the kernel's own work */
+        float *q_row = work ? work + work_floats - 2 * row_floats : NULL, *out_row = q_row + row_floats;
         #pragma omp for schedule(dynamic, 1)
         for (int seq = 0; seq < num_seqs; seq++) {
             if (!work) continue;
-            int64_t head0 = (int64_t)seq * num_heads * dim;
-#if HAVE_BF16_DOT
-            if (fast && is_bf16_exact(query + head0, num_heads * dim)) {
-                attend_sequence_fast(query + head0, out + head0, key, value, key_scale,
-                                     value_scale, kind, block_tables + (int64_t)seq * max_blocks,
-                                     seq_lens[seq], num_kv_heads, group, dim, block_size,
-                                     sm_scale, work, lse ? lse + (int64_t)seq * num_heads : NULL);
-                continue;
+            int64_t head0 = (int64_t)seq * row_floats;
+            const float *q;
+            float *o;
+            if (io_bf16) {
+                for (int64_t i = 0; i < row_floats; i++)
+                    q_row[i] = bf16_to_float(((const uint16_t *)query)[head0 + i]);
+                q = q_row;
+                o = out_row;
+            } else {
+                q = (const float *)query + head0;
+                o = (float *)out + head0;
             }
+            float *seq_lse = lse ? lse + (int64_t)seq * num_heads : NULL;
+#if HAVE_BF16_DOT
+            if (fast && is_bf16_exact(q, num_heads * dim))
+                attend_sequence_fast(q, o, key, value, key_scale, value_scale, kind,
+                                     block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
+                                     num_kv_heads, group, dim, block_size, sm_scale, work, seq_lse);
+            else
 #endif
-            attend_sequence(query + head0, out + head0, key, value, key_scale, value_scale, lut,
-                            kind, element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
-                            seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,
-                            work, lse ? lse + (int64_t)seq * num_heads : NULL);
+                attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind,
+                                element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
+                                seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,
+                                work, seq_lse);
+            if (io_bf16)
+                for (int64_t i = 0; i < row_floats; i++)
+                    ((uint16_t *)out)[head0 + i] = float_to_bf16(out_row[i]);
         }
         free(work);
     }
