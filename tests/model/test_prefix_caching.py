@@ -101,3 +101,36 @@ def test_shared_prefix_attended_once_gives_the_same_tokens(tiny_dir, monkeypatch
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 10**9)
     whole = [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(prompts, params)]
     assert together == whole
+
+
+def test_the_step_computing_the_prefix_lets_the_others_share_it(tiny_dir, monkeypatch):
+    """Six requests on one 160-token prefix that nobody has cached, all added at once: the
+    first step computes the prefix for one of them, while the others (admitted in the same
+    step) read it through the split (attention/shared_prefix.py), the computing chunk on its
+    usual path.  The greedy tokens equal those of the same requests attended whole."""
+    from kvserve.attention import shared_prefix
+
+    prefix = [(i * 7919) % 40000 + 7 for i in range(160)]
+    prompts = [prefix + [100 + i] * (3 + i) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    calls = []
+    split = shared_prefix.attention_with_lse
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(shared_prefix, "attention_with_lse", counting)
+    engine = make(tiny_dir, True).engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.step()
+    assert calls  # the first step split already
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    together = [tokens[f"r{i}"] for i in range(6)]
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 10**9)
+    whole = [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(prompts, params)]
+    assert together == whole

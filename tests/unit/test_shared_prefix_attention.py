@@ -85,3 +85,40 @@ def test_no_shared_prefix_when_a_sequence_has_no_cached_context():
     requests.append(scheduled("fresh", 64, 0, [900, 901, 902, 903]))
     md = build_attention_metadata(build_batch_input(requests, BLOCK, torch.device("cpu")), BLOCK)
     assert md.shared_prefix_blocks == 0
+
+
+def forward_both(requests, num_blocks, kv_dtype, heads, kv_heads, seed):
+    """(reference, cpu-paged) outputs of one step over a cache filled at random."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = build_batch_input(requests, BLOCK, torch.device("cpu"))
+    md = build_attention_metadata(batch, BLOCK)
+    dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+    cache = filled_cache(kv_dtype, num_blocks + 1, BLOCK, kv_heads, 64, gen)
+    tokens = batch.input_ids.shape[0]
+    qkv = [torch.randn(tokens, h, 64, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
+    expected = TorchRefBackend().forward(*qkv, cache, md, 0.125)
+    got = select_backend("cpu-paged", torch.device("cpu")).forward(*qkv, cache, md, 0.125)
+    return md, got, expected
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_the_chunk_computing_the_prefix_attends_alone_and_the_others_share_it(kv_dtype):
+    """W3's first step: one request computes the shared prompt while others, admitted in the
+    same step, read it.  That one keeps the usual path, the rest are split at the prefix; all
+    must equal the reference.  (Only one request can write a block in a step, so at most the
+    one computing the prefix starts inside it.)"""
+    requests, _ = step(16, [300, 290], [(256, 32), (256, 17), (260, 5)])
+    table = requests[0].block_table[:16]  # the shared blocks
+    requests.insert(2, scheduled("prompt", 16 * BLOCK + 9, 0, table + [200, 201]))
+    md, got, expected = forward_both(requests, 202, kv_dtype, 9, 3, seed=5)
+    assert md.shared_prefix_blocks == 16
+    tolerance = 2e-5 if kv_dtype == "float32" else 2e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_decode_inside_the_common_blocks_limits_the_prefix_to_what_precedes_it():
+    requests, _ = step(16, [300, 290, 280], [(256, 32)])
+    requests.append(scheduled("early", 1, 70, requests[0].block_table[:16]))  # at block 4
+    requests.sort(key=lambda r: r.num_tokens > 1)
+    md = build_attention_metadata(build_batch_input(requests, BLOCK, torch.device("cpu")), BLOCK)
+    assert md.shared_prefix_blocks == 70 // BLOCK

@@ -27,6 +27,10 @@ class PrefillSpan:
     seq_len: int  # context length after this step (cached + new tokens)
     block_table: torch.Tensor  # [ceil(seq_len / block_size)] block ids
 
+    @property
+    def num_query(self) -> int:
+        return self.query_end - self.query_start
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -35,8 +39,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B_d, max_blocks] block ids (padded with 0)
     decode_seq_lens: torch.Tensor  # [B_d] context length incl. the new token
     prefills: tuple[PrefillSpan, ...]
-    # Leading blocks that every sequence of the step shares and that precede all of its query
-    # tokens (a common prompt prefix); a backend may attend them once for all queries.
+    # Leading blocks that every sequence of the step shares (a common prompt prefix); a
+    # backend may attend them once for all the sequences whose query tokens all come after
+    # them.  Only prefill chunks may start inside them (they attend as usual).
     shared_prefix_blocks: int = 0
 
 

@@ -12,11 +12,12 @@ SDPA's blocked kernels are faster there.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import torch
 
 from kvserve.attention import shared_prefix
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
@@ -38,6 +39,22 @@ def fp8_lookup_table(kv_dtype: str) -> torch.Tensor:
     """float32 value of each of the 256 bytes of an fp8 format, exactly as torch decodes them."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     return codes.view(quant.FP8_TORCH_DTYPES[kv_dtype]).to(torch.float32)
+
+
+def sharing_rows(
+    md: AttentionMetadata, inside: list[PrefillSpan]
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The query rows of the sequences that share the prefix (every decode and each prefill
+    chunk not in `inside`), and their metadata as a batch of those rows alone."""
+    spans, pieces, start = [], [torch.arange(md.num_decode_tokens)], md.num_decode_tokens
+    skipped = {id(span) for span in inside}
+    for span in md.prefills:
+        if id(span) in skipped:
+            continue
+        pieces.append(torch.arange(span.query_start, span.query_end))
+        spans.append(replace(span, query_start=start, query_end=start + span.num_query))
+        start += span.num_query
+    return torch.cat(pieces), replace(md, prefills=tuple(spans))
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -63,16 +80,27 @@ class CpuPagedBackend(TorchRefBackend):
     ) -> torch.Tensor:
         """The reference's contract; a step whose sequences share a long prefix attends it
         once for all of them (shared_prefix.py)."""
-        block_size = kv_cache.key.shape[1]
-        num_seqs = metadata.num_decode_tokens + len(metadata.prefills)
+        prefix_len = metadata.shared_prefix_blocks * kv_cache.key.shape[1]
+        inside = [s for s in metadata.prefills if s.seq_len - s.num_query < prefix_len]
+        num_sharing = metadata.num_decode_tokens + len(metadata.prefills) - len(inside)
         if (
             query.device.type != "cpu"
-            or metadata.shared_prefix_blocks * block_size < shared_prefix.MIN_SHARED_TOKENS
-            or num_seqs < shared_prefix.MIN_SEQUENCES
+            or prefix_len < shared_prefix.MIN_SHARED_TOKENS
+            or num_sharing < shared_prefix.MIN_SEQUENCES
         ):
             return super().forward(query, key, value, kv_cache, metadata, scale)
         kv_cache.write(metadata.slot_mapping, key, value)
-        return self._split_at_shared_prefix(query, kv_cache, metadata, scale)
+        if not inside:
+            return self._split_at_shared_prefix(query, kv_cache, metadata, scale)
+        # Chunks that start inside the prefix (the one computing it this step) attend as
+        # usual; the others share it, as a batch of their own rows.
+        out = torch.empty_like(query)
+        for span in inside:
+            rows = slice(span.query_start, span.query_end)
+            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+        rows, sharing = sharing_rows(metadata, inside)
+        out[rows] = self._split_at_shared_prefix(query[rows], kv_cache, sharing, scale)
+        return out
 
     def _split_at_shared_prefix(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float

@@ -104,11 +104,19 @@ def shared_prefix_blocks(
     requests: list[ScheduledRequest], block_tables: torch.Tensor, block_size: int
 ) -> int:
     """Leading block ids common to every sequence of the step (block_tables: [B, max_blocks],
-    on the CPU, before the batch moves to its device), counting only blocks wholly before every
-    sequence's first query token (all of them cached context)."""
+    on the CPU, before the batch moves to its device) that a backend may attend once for the
+    sequences whose query tokens all come after them (see AttentionMetadata).
+
+    All the common blocks when only prefill chunks start inside them: the request that
+    computes a shared prompt in this step while the others read it (W3's first step, with
+    same-step prefix sharing) keeps its own path, and the others still share the prefix.
+    Otherwise only the blocks wholly before every sequence's first query token."""
     if len(requests) < 2:
         return 0
     common = int((block_tables == block_tables[:1]).all(0).int().cumprod(0).sum())
+    inside = [r for r in requests if r.start_position < common * block_size]
+    if len(inside) < len(requests) - 1 and all(r.num_tokens > 1 for r in inside):
+        return common
     min_context = min(r.start_position for r in requests)
     return min(common, min_context // block_size)
 
