@@ -77,16 +77,16 @@ def test_n4_shares_the_prompt_blocks_once_and_matches_separate_seeded_requests(t
     assert engine.cache_manager.num_free_blocks == engine.sizing.num_blocks
 
 
-def test_shared_prefix_attended_once_gives_the_same_tokens(tiny_dir, monkeypatch):
-    """Six requests on one 160-token prefix, run together: every prefill of a suffix and
-    every decode splits attention at the shared blocks (attention/shared_prefix.py).  The
-    greedy tokens equal those of the same requests attended whole."""
+SHARED = [(i * 7919) % 40000 + 7 for i in range(160)]
+SHARING_PROMPTS = [SHARED + [100 + i] * (3 + i) for i in range(6)]
+TEN = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def count_splits(monkeypatch) -> list[int]:
+    """A list that grows by one per shared-prefix attention call (attention/shared_prefix.py)."""
     from kvserve.attention import shared_prefix
 
-    prefix = [(i * 7919) % 40000 + 7 for i in range(160)]
-    prompts = [prefix + [100 + i] * (3 + i) for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    calls = []
+    calls: list[int] = []
     split = shared_prefix.attention_with_lse
 
     def counting(*args, **kwargs):
@@ -94,13 +94,27 @@ def test_shared_prefix_attended_once_gives_the_same_tokens(tiny_dir, monkeypatch
         return split(*args, **kwargs)
 
     monkeypatch.setattr(shared_prefix, "attention_with_lse", counting)
-    llm = make(tiny_dir, True)
-    llm.generate([prefix], GREEDY)  # the prefix is cached before the six arrive
-    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert calls  # the split was taken
+    return calls
+
+
+def attended_whole(tiny_dir, monkeypatch) -> list[list[int]]:
+    """SHARING_PROMPTS' greedy tokens with the split turned off (each sequence whole)."""
+    from kvserve.attention import shared_prefix
+
     monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 10**9)
-    whole = [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(prompts, params)]
-    assert together == whole
+    return [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(SHARING_PROMPTS, TEN)]
+
+
+def test_shared_prefix_attended_once_gives_the_same_tokens(tiny_dir, monkeypatch):
+    """Six requests on one 160-token prefix, run together: every prefill of a suffix and
+    every decode splits attention at the shared blocks (attention/shared_prefix.py).  The
+    greedy tokens equal those of the same requests attended whole."""
+    calls = count_splits(monkeypatch)
+    llm = make(tiny_dir, True)
+    llm.generate([SHARED], GREEDY)  # the prefix is cached before the six arrive
+    together = [o.outputs[0].token_ids for o in llm.generate(SHARING_PROMPTS, TEN)]
+    assert calls  # the split was taken
+    assert together == attended_whole(tiny_dir, monkeypatch)
 
 
 def test_the_step_computing_the_prefix_lets_the_others_share_it(tiny_dir, monkeypatch):
@@ -108,22 +122,10 @@ def test_the_step_computing_the_prefix_lets_the_others_share_it(tiny_dir, monkey
     first step computes the prefix for one of them, while the others (admitted in the same
     step) read it through the split (attention/shared_prefix.py), the computing chunk on its
     usual path.  The greedy tokens equal those of the same requests attended whole."""
-    from kvserve.attention import shared_prefix
-
-    prefix = [(i * 7919) % 40000 + 7 for i in range(160)]
-    prompts = [prefix + [100 + i] * (3 + i) for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    calls = []
-    split = shared_prefix.attention_with_lse
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return split(*args, **kwargs)
-
-    monkeypatch.setattr(shared_prefix, "attention_with_lse", counting)
+    calls = count_splits(monkeypatch)
     engine = make(tiny_dir, True).engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+    for i, prompt in enumerate(SHARING_PROMPTS):
+        engine.add_request(f"r{i}", prompt, TEN)
     engine.step()
     assert calls  # the first step split already
     tokens: dict[str, list[int]] = {}
@@ -131,6 +133,4 @@ def test_the_step_computing_the_prefix_lets_the_others_share_it(tiny_dir, monkey
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
     together = [tokens[f"r{i}"] for i in range(6)]
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_TOKENS", 10**9)
-    whole = [o.outputs[0].token_ids for o in make(tiny_dir, True).generate(prompts, params)]
-    assert together == whole
+    assert together == attended_whole(tiny_dir, monkeypatch)
