@@ -658,7 +658,8 @@ int paged_decode_attention(const void *query, void *out, const void *key, const 
             failed = 1;
         }
         /* io_bf16: this sequence's q and output as float32, after the kernel's own work */
-        float *q_row = work ? work + work_floats - 2 * row_floats : NULL, *out_row = q_row + row_floats;
+        float *q_row = work ? work + work_floats - 2 * row_floats : NULL;
+        float *out_row = work ? q_row + row_floats : NULL;
         #pragma omp for schedule(dynamic, 1)
         for (int seq = 0; seq < num_seqs; seq++) {
             if (!work) continue;
