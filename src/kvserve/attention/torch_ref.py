@@ -31,6 +31,8 @@ class TorchRefBackend:
         scale: float,
     ) -> torch.Tensor:
         kv_cache.write(metadata.slot_mapping, key, value)
+        if not metadata.prefills:  # a decode-only step: its output as it comes, no copy
+            return self._decode(query, kv_cache, metadata, scale)
         out = torch.empty_like(query)
         num_decode = metadata.num_decode_tokens
         if num_decode:
