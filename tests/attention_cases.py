@@ -50,6 +50,21 @@ def decode_metadata(seq_lens: list[int], num_blocks: int, block_size: int, gen):
     return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(seq_lens), tables, lens, ())
 
 
+def decode_case(kv_dtype: str, heads: int, kv_heads: int, dim: int, block_size: int):
+    """The decode grid's case for one KV dtype and shape: (query, cache, metadata, scale,
+    the reference's output), sequences from 1 token to several blocks on shuffled blocks."""
+    from kvserve.attention.torch_ref import TorchRefBackend
+
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77, 5]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
+    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    scale = dim**-0.5
+    return query, cache, md, scale, TorchRefBackend()._decode(query, cache, md, scale)
+
+
 def mixed_step(block_size: int, gen: torch.Generator, device=CPU):
     """3 decodes, then 3 prefill spans: a fresh prompt, a chunk after 21 cached tokens, and a
     200-token chunk (two query tiles) after 37; every new token gets a fresh slot.

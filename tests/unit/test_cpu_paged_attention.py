@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import KV_DTYPES, SHAPES, decode_metadata, filled_cache
+from attention_cases import KV_DTYPES, SHAPES, decode_case, decode_metadata, filled_cache
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
@@ -21,14 +21,7 @@ pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compi
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), SHAPES)
 def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
-    gen = torch.Generator().manual_seed(heads * 1000 + dim)
-    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77, 5]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
-    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
-    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
-    scale = dim**-0.5
-    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    query, cache, md, scale, expected = decode_case(kv_dtype, heads, kv_heads, dim, block_size)
     backend = select_backend("cpu-paged", torch.device("cpu"))
     got = backend._decode(query, cache, md, scale)
     assert got.shape == expected.shape and got.dtype == expected.dtype

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import KV_DTYPES, SHAPES, decode_metadata, filled_cache, mixed_step
+from attention_cases import (
+    KV_DTYPES,
+    SHAPES,
+    decode_case,
+    decode_metadata,
+    filled_cache,
+    mixed_step,
+)
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention import select_backend
@@ -31,14 +38,7 @@ def layouts_for(kv_dtype: str) -> list[str]:
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), SHAPES)
 def test_decode_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
-    gen = torch.Generator().manual_seed(heads * 1000 + dim)
-    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77, 5]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
-    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
-    query = torch.randn(len(seq_lens), heads, dim, generator=gen)
-    scale = dim**-0.5
-    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    query, cache, md, scale, expected = decode_case(kv_dtype, heads, kv_heads, dim, block_size)
     for layout in layouts_for(kv_dtype):
         got = attend(FlexAttentionBackend(compiled=False, layout=layout), query, cache, md, scale)
         assert got.shape == expected.shape and got.dtype == expected.dtype
