@@ -236,3 +236,9 @@ def paged_decode_available() -> bool:
         logger.warning("CPU paged-attention kernel unavailable, using the reference: %s", exc)
         return False
     return True
+
+
+def kernels_or_none() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be built here (why is logged once): for
+    the callers that fall back to torch (K/V stores, the greedy argmax)."""
+    return load_paged_decode() if paged_decode_available() else None

@@ -26,11 +26,9 @@ def _c_rows_library(x: torch.Tensor) -> Any:
     heads x dim values are contiguous per token, float32 or bfloat16), else None."""
     if x.device.type != "cpu" or x.dtype not in _C_SOURCE_KINDS or x.stride(-1) != 1:
         return None
-    from kvserve.attention.cpu_kernels import load_paged_decode, paged_decode_available
+    from kvserve.attention.cpu_kernels import kernels_or_none
 
-    if not paged_decode_available() or x.stride(1) != x.shape[2]:
-        return None
-    return load_paged_decode()
+    return kernels_or_none() if x.stride(1) == x.shape[2] else None
 
 
 def _store_quantized_in_c(

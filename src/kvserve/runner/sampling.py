@@ -112,9 +112,10 @@ _ARGMAX_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 @functools.cache
 def _argmax_kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import load_paged_decode, paged_decode_available
+    from kvserve.attention.cpu_kernels import kernels_or_none
 
-    return load_paged_decode().argmax_rows if paged_decode_available() else None
+    kernels = kernels_or_none()
+    return None if kernels is None else kernels.argmax_rows
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
