@@ -26,7 +26,10 @@ def tiny_dir(tiny_model_dir):
     return str(tiny_model_dir("llama3")[0])
 
 
-@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN")
+NO_BF16_PACKING = "oneDNN cannot pack bf16 on this CPU"
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
 @pytest.mark.parametrize("shape", [(1, 64), (7, 64), (3, 5, 64)])
 def test_packed_linear_equals_f_linear(shape):
     torch.manual_seed(0)
@@ -80,7 +83,7 @@ def test_packed_rows_are_bucketed_and_the_padding_never_shows():
     assert [padded_rows(n) for n in (1, 16, 17, 256, 257, 2048, 2049)] == [
         16, 16, 32, 256, 320, 2048, 2304]  # fmt: skip
     if not can_pack(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("no oneDNN")
+        pytest.skip(NO_BF16_PACKING)
     weight = torch.randn(40, 64, dtype=torch.bfloat16)
     layer = PackedLinear(weight, None)
     for rows in (1, 5, 17, 300):

@@ -10,6 +10,7 @@ packed op returns the same values as `F.linear` (checked in tests/model/test_fas
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -22,12 +23,26 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacking is worth it (and available) here."""
-    return (
-        device.type == "cpu"
-        and dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype in PACKED_DTYPES and _onednn_packs(dtype)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN reorders a `dtype` weight on this CPU.  Its bf16 and fp16 paths need AVX512
+    (BW/VL/DQ, or FP16) or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3, for one) the
+    reorder raises, and the plain `nn.Linear` (which converts on the fly) is the way.
+    Asked of oneDNN itself with a tiny weight, so that no CPU-flag list can drift from it."""
+    if not (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError as error:
+        logger.info("linear layers stay unpacked in %s: %s", dtype, error)
+        return False
+    return True
 
 
 def padded_rows(num_rows: int) -> int:
