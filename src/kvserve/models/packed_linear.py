@@ -33,8 +33,7 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     reorder raises, and the plain `nn.Linear` (which converts on the fly) is the way.
     Asked of oneDNN itself with a tiny weight, so that no CPU-flag list can drift from it."""
     if not (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return False
     try:
