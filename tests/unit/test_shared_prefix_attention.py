@@ -56,6 +56,8 @@ def step(prefix_blocks: int, decode_lens: list[int], prefills: list[tuple[int, i
         (9, 3, [], [(256, 32), (256, 17), (260, 5), (300, 40)]),  # prefill chunks only
         (4, 2, [270, 290], [(288, 32), (256, 1), (300, 64)]),  # mixed
         (8, 8, [513, 600, 700, 800], [(520, 3)]),  # no GQA
+        # suffixes of one shape attend in one batched call (W3's), beside one-offs
+        (9, 3, [300], [(256, 32)] * 4 + [(256, 17), (270, 16), (270, 16), (300, 1)]),
     ],
 )
 def test_split_at_shared_prefix_equals_reference(kv_dtype, heads, kv_heads, decode_lens, prefills):
@@ -77,6 +79,16 @@ def test_split_at_shared_prefix_equals_reference(kv_dtype, heads, kv_heads, deco
     assert got.dtype == dtype
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_prefill_spans_group_by_their_shape_in_order():
+    from kvserve.attention.base import PrefillSpan
+    from kvserve.attention.cpu_paged import same_shape_groups
+
+    table = torch.zeros(20, dtype=torch.long)
+    a, b, c, d = (PrefillSpan(i * 8, i * 8 + n, 300 + n, table) for i, n in enumerate([8, 4, 8, 8]))
+    e = PrefillSpan(40, 48, 290, table)  # same query tokens, other context length
+    assert same_shape_groups((a, b, c, d, e)) == [[a, c, d], [b], [e]]
 
 
 def test_no_shared_prefix_when_a_sequence_has_no_cached_context():

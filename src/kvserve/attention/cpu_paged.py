@@ -57,6 +57,16 @@ def sharing_rows(
     return torch.cat(pieces), replace(md, prefills=tuple(spans))
 
 
+def same_shape_groups(spans: tuple[PrefillSpan, ...]) -> list[list[PrefillSpan]]:
+    """Prefill spans grouped by (query tokens, context length), in order of first appearance:
+    past a shared prefix, each group's suffixes are attended in one batched call (W3's 63
+    suffixes of 32 tokens over 1,056 are one group)."""
+    groups: dict[tuple[int, int], list[PrefillSpan]] = {}
+    for span in spans:
+        groups.setdefault((span.num_query, span.seq_len), []).append(span)
+    return list(groups.values())
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else None)
 
@@ -117,17 +127,33 @@ class CpuPagedBackend(TorchRefBackend):
             tables = md.decode_block_tables[:, num_blocks:]
             lens = md.decode_seq_lens - prefix_len
             out2[:d] = self._kernel_decode(query[:d], kv_cache, tables, lens, scale, lse2[:d])
-        for span in md.prefills:
-            rows = slice(span.query_start, span.query_end)
-            suffix_len = span.seq_len - prefix_len
-            keys, values = kv_cache.gather(span.block_table[num_blocks:], query.dtype)
-            keys, values = keys[:suffix_len], values[:suffix_len]
-            num_query = span.query_end - span.query_start
-            positions = torch.arange(suffix_len - num_query, suffix_len)
-            mask = torch.arange(suffix_len)[None, :] <= positions[:, None]
-            out, lse = shared_prefix.attention_with_lse(query[rows], keys, values, mask, scale)
-            out2[rows], lse2[rows] = out, lse
+        for spans in same_shape_groups(md.prefills):
+            rows, out, lse = self._suffix_attention(query, kv_cache, spans, num_blocks, scale)
+            out2[rows], lse2[rows] = out.to(out2.dtype), lse
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
+
+    @staticmethod
+    def _suffix_attention(
+        query: torch.Tensor,  # [T, H, D]
+        kv_cache: LayerKVCache,
+        spans: list[PrefillSpan],  # of one shape (same_shape_groups)
+        num_blocks: int,  # the shared prefix's
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The spans' queries over their own blocks past the shared prefix, in one call:
+        (their rows in the batch [n], outputs [n, H, D], log-sum-exps [n, H])."""
+        block_size = kv_cache.key.shape[1]
+        suffix_len = spans[0].seq_len - num_blocks * block_size
+        num_query, own_blocks = spans[0].num_query, -(-suffix_len // block_size)
+        tables = torch.stack([s.block_table[num_blocks : num_blocks + own_blocks] for s in spans])
+        keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
+        keys, values = keys[:, :suffix_len], values[:, :suffix_len]
+        positions = torch.arange(suffix_len - num_query, suffix_len)
+        mask = torch.arange(suffix_len)[None, :] <= positions[:, None]
+        rows = torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
+        q = query[rows].view(len(spans), num_query, *query.shape[1:])
+        out, lse = shared_prefix.batched_attention_with_lse(q, keys, values, mask, scale)
+        return rows, out.flatten(0, 1), lse.flatten(0, 1)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention.torch_ref import group_queries, grouped_kv, ungroup
-
 # Below this many shared tokens, or this few sequences, the split is not worth its extra
 # passes (the per-sequence kernel is already cheap).
 MIN_SHARED_TOKENS = 128
@@ -35,20 +33,47 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and each (token, head)'s log-sum-exp of its scaled scores: ([L, H, D] in the
     query's dtype, [L, H] float32)."""
-    num_kv_heads = keys.shape[1]
-    group = query.shape[1] // num_kv_heads
+    out, lse = batched_attention_with_lse(query[None], keys[None], values[None], mask, scale)
+    return out[0], lse[0]
+
+
+def batched_attention_with_lse(
+    query: torch.Tensor,  # [N, L, H, D]
+    keys: torch.Tensor,  # [N, S, Hkv, D]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # [L, S] bool, the same for all N, or None: no mask
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N sequences of the same shape in one flash call: ([N, L, H, D], [N, L, H] float32).
+
+    GQA without repeating K/V: each KV head's group of query heads is folded into the query
+    length (L x group rows against the head's S keys), so the kernel reads each K/V block
+    once per group rather than once per query head.  Measured against the group as a batch
+    over K/V expanded along it: 0.35 -> 0.28 ms for W3's 64 decodes over the 1,024 shared
+    keys, 3.6 -> 3.3 ms for 992 suffix tokens (one layer, 2 threads), the same outputs.  One
+    call for N short suffixes instead of N calls saves ~80 us of call overhead each."""
+    num_seqs, num_query, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    folded = query.view(num_seqs, num_query, num_kv_heads, group, head_dim)
+    folded = folded.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
     attn_mask = None
     if mask is not None:  # the raw kernel takes an additive mask in the query's dtype
         bias = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
-        attn_mask = bias[None, None]
+        attn_mask = bias.repeat(group, 1)[None, None]  # row (g, l) is query l's mask
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        group_queries(query, num_kv_heads),
-        grouped_kv(keys, group),
-        grouped_kv(values, group),
-        attn_mask=attn_mask,
-        scale=scale,
+        folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask, scale=scale
     )
-    return ungroup(out), ungroup(lse)
+    return _unfold(out, num_query), _unfold(lse, num_query)
+
+
+def _unfold(x: torch.Tensor, num_query: int) -> torch.Tensor:
+    """[N, Hkv, group x L, ...] (the folded layout) -> [N, L, H, ...], contiguous: with N = 1
+    a reshape would return a strided view, and the model's compiled layers, specialized on
+    contiguous attention outputs, would recompile for it (and run slower)."""
+    num_seqs, num_kv_heads = x.shape[:2]
+    x = x.view(num_seqs, num_kv_heads, -1, num_query, *x.shape[3:]).movedim(3, 1)
+    return x.reshape(num_seqs, num_query, -1, *x.shape[4:]).contiguous()
 
 
 def merge(
