@@ -20,7 +20,7 @@ from kvserve.attention import shared_prefix
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
 from kvserve.kv import quant
 
 # Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
@@ -148,8 +148,7 @@ class CpuPagedBackend(TorchRefBackend):
         tables = torch.stack([s.block_table[num_blocks : num_blocks + own_blocks] for s in spans])
         keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
         keys, values = keys[:, :suffix_len], values[:, :suffix_len]
-        positions = torch.arange(suffix_len - num_query, suffix_len)
-        mask = torch.arange(suffix_len)[None, :] <= positions[:, None]
+        mask = trailing_causal_mask(suffix_len, num_query, query.device)
         rows = torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
         q = query[rows].view(len(spans), num_query, *query.shape[1:])
         out, lse = shared_prefix.batched_attention_with_lse(q, keys, values, mask, scale)

@@ -75,9 +75,15 @@ class TorchRefBackend:
             return _sequence_attention(query, key, value, None, scale)
         keys, values = kv_cache.gather(span.block_table, query.dtype)
         keys, values = keys[: span.seq_len], values[: span.seq_len]
-        positions = torch.arange(num_context, span.seq_len, device=query.device)
-        mask = torch.arange(span.seq_len, device=query.device)[None, :] <= positions[:, None]
+        mask = trailing_causal_mask(span.seq_len, num_query, query.device)
         return _sequence_attention(query, keys, values, mask, scale)
+
+
+def trailing_causal_mask(num_keys: int, num_query: int, device: torch.device) -> torch.Tensor:
+    """[num_query, num_keys] bool for queries that are the last num_query of num_keys
+    positions: each sees every key up to and including its own."""
+    positions = torch.arange(num_keys - num_query, num_keys, device=device)
+    return torch.arange(num_keys, device=device)[None, :] <= positions[:, None]
 
 
 def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
