@@ -54,10 +54,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE by halves: x [T, heads, dim], cos/sin [T, 1, dim]."""
+    """Apply RoPE by halves: x [T, heads, dim], cos/sin [T, 1, dim / 2] (both halves of the
+    usual [T, 1, dim] tables are the same).  The same products and sums, in the same order, as
+    x * cos + cat(-x2, x1) * sin, so bit for bit the same values; but inductor fuses it into
+    one pass over x, where the concatenated rotation was materialized first (0.64 -> 0.35 ms
+    for q and k of 2,048 tokens of the embedded model)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -205,9 +209,8 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)
+        freqs = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :])[:, None, :]
+        cos, sin = freqs.cos().to(hidden.dtype), freqs.sin().to(hidden.dtype)
         kernels, layers = self.kernels, self.layers
         q, k, v = kernels.pre_attention(layers[0], hidden, cos, sin)
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
