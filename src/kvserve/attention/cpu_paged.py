@@ -67,6 +67,14 @@ def same_shape_groups(spans: tuple[PrefillSpan, ...]) -> list[list[PrefillSpan]]
     return list(groups.values())
 
 
+def _rows_of(spans: list[PrefillSpan]) -> slice | torch.Tensor:
+    """The batch rows of the spans' query tokens, in order: a slice when each span starts
+    where the one before it ends."""
+    if all(a.query_end == b.query_start for a, b in zip(spans, spans[1:], strict=False)):
+        return slice(spans[0].query_start, spans[-1].query_end)
+    return torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else None)
 
@@ -129,7 +137,8 @@ class CpuPagedBackend(TorchRefBackend):
             out2[:d] = self._kernel_decode(query[:d], kv_cache, tables, lens, scale, lse2[:d])
         for spans in same_shape_groups(md.prefills):
             rows, out, lse = self._suffix_attention(query, kv_cache, spans, num_blocks, scale)
-            out2[rows], lse2[rows] = out.to(out2.dtype), lse
+            out2[rows] = out if isinstance(rows, slice) else out.to(out2.dtype)
+            lse2[rows] = lse
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
 
     @staticmethod
@@ -139,9 +148,12 @@ class CpuPagedBackend(TorchRefBackend):
         spans: list[PrefillSpan],  # of one shape (same_shape_groups)
         num_blocks: int,  # the shared prefix's
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]:
         """The spans' queries over their own blocks past the shared prefix, in one call:
-        (their rows in the batch [n], outputs [n, H, D], log-sum-exps [n, H])."""
+        (their rows in the batch: a slice when the spans follow each other, as W3's 63
+        suffixes do, else an index [n]; outputs [n, H, D], log-sum-exps [n, H]).  A slice
+        reads and writes the rows in place, where gathering and scattering 2,016 x 9 x 64
+        values cost ~0.8 ms a layer."""
         block_size = kv_cache.key.shape[1]
         suffix_len = spans[0].seq_len - num_blocks * block_size
         num_query, own_blocks = spans[0].num_query, -(-suffix_len // block_size)
@@ -149,7 +161,7 @@ class CpuPagedBackend(TorchRefBackend):
         keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
         keys, values = keys[:, :suffix_len], values[:, :suffix_len]
         mask = trailing_causal_mask(suffix_len, num_query, query.device)
-        rows = torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
+        rows = _rows_of(spans)
         q = query[rows].view(len(spans), num_query, *query.shape[1:])
         out, lse = shared_prefix.batched_attention_with_lse(q, keys, values, mask, scale)
         return rows, out.flatten(0, 1), lse.flatten(0, 1)

@@ -74,9 +74,19 @@ def _packed_linear(
     num_rows = rows.shape[0]
     padded = padded_rows(num_rows)
     if padded != num_rows:
-        rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - num_rows))
+        rows = _pad_rows(rows, padded)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
     return out[:num_rows].reshape(*x.shape[:-1], out_features)
+
+
+def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    """rows [n, k] followed by zero rows, [padded, k].  Only the added rows are zeroed:
+    F.pad zeroes the whole new tensor before copying the rows over it, which cost as much as
+    the copy (~0.25 ms a call at 2,048 x 1,536, four calls a layer in a prefill step)."""
+    out = rows.new_empty((padded, rows.shape[1]))
+    out[: rows.shape[0]].copy_(rows)
+    out[rows.shape[0] :].zero_()
+    return out
 
 
 for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one
