@@ -514,7 +514,7 @@ static inline const char *table_block(const void *cache, const int64_t *table, i
  * base.  Asking for a whole block at once (~100 lines) stalls the core: each prefetch holds
  * one of its ~16 line-fill buffers until memory answers, so the compute waits for the block
  * and nothing overlaps.  Spread across the block's compute, a few lines at a time, the loads
- * run under the arithmetic: 2.33 -> 1.96 ms per layer at 128 x 320 tokens (docs/benchmarks.md). */
+ * run under the arithmetic: 2.38 -> 1.98 ms per layer at 128 x 320 tokens (docs/benchmarks.md). */
 static inline void prefetch_part(const char *base, int64_t bytes, int part, int parts) {
     int64_t lines = (bytes + 63) / 64, per = (lines + parts - 1) / parts;
     int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
