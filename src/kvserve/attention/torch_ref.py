@@ -95,8 +95,7 @@ def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def ungroup(x: torch.Tensor) -> torch.Tensor:
-    """group_queries' inverse for an output [group, Hkv, L, D] -> [L, H, D], or a log-sum-exp
-    [group, Hkv, L] -> [L, H]."""
+    """group_queries' inverse for an output: [group, Hkv, L, D] -> [L, H, D]."""
     x = x.movedim(2, 0).transpose(1, 2)  # [L, Hkv, group, ...]
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 

@@ -515,10 +515,18 @@ static inline const char *table_block(const void *cache, const int64_t *table, i
  * one of its ~16 line-fill buffers until memory answers, so the compute waits for the block
  * and nothing overlaps.  Spread across the block's compute, a few lines at a time, the loads
  * run under the arithmetic: 2.38 -> 1.98 ms per layer at 128 x 320 tokens (docs/benchmarks.md). */
+/* [*begin, *end): slice `part` of `parts` equal slices of `lines` lines. */
+static inline void line_slice(int64_t lines, int64_t part, int64_t parts, int64_t *begin,
+                              int64_t *end) {
+    int64_t per = (lines + parts - 1) / parts;
+    *begin = part * per;
+    *end = *begin + per < lines ? *begin + per : lines;
+}
+
 static inline void prefetch_part(const char *base, int64_t bytes, int part, int parts) {
-    int64_t lines = (bytes + 63) / 64, per = (lines + parts - 1) / parts;
-    int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
-    for (int64_t line = part * per; line < end; line++) __builtin_prefetch(base + line * 64, 0, 2);
+    int64_t line, end;
+    line_slice((bytes + 63) / 64, part, parts, &line, &end);
+    for (; line < end; line++) __builtin_prefetch(base + line * 64, 0, 2);
 }
 
 /* What the pass over V prefetches for the sequence this thread attends next: its first
@@ -533,9 +541,8 @@ typedef struct {
 static inline void prefetch_next_part(const void *key, const void *value, next_sequence next,
                                       int64_t block_bytes, int64_t part, int64_t parts) {
     if (!next.table) return;
-    int64_t lines_per = (block_bytes + 63) / 64, lines = 2 * next.blocks * lines_per;
-    int64_t per = (lines + parts - 1) / parts, line = part * per;
-    int64_t end = line + per < lines ? line + per : lines;
+    int64_t lines_per = (block_bytes + 63) / 64, line, end;
+    line_slice(2 * next.blocks * lines_per, part, parts, &line, &end);
     for (; line < end; line++) {
         int64_t which = line / lines_per;
         const char *base = (const char *)(which & 1 ? value : key) + next.table[which >> 1] * block_bytes;
