@@ -115,3 +115,38 @@ def test_backend_choice():
     assert type(select_backend("auto", cpu)).__name__ == "CpuPagedBackend"
     with pytest.raises(ValueError, match="--attention-backend cpu-paged runs on a CPU only"):
         select_backend("cpu-paged", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
+    """A decode-only step through forward(): the kernel stores each sequence's new K/V row
+    itself (unquantized caches; an 8-bit one stores first, as before) and attends it.  The
+    rows are strided like the model's: K its own tensor, V a view of the QKV projection.
+    The cache must hold exactly what the reference's store puts there, and the outputs must
+    match."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    seq_lens = [1, 16, 17, 40, 77, 130]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    ours = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
+    copy = [None if t is None else t.clone()
+            for t in (ours.key, ours.value, ours.key_scale, ours.value_scale)]  # fmt: skip
+    reference = LayerKVCache(*copy, kv_dtype=kv_dtype)
+    decode = decode_metadata(seq_lens, num_blocks, block_size, gen)
+    last = torch.tensor(seq_lens) - 1  # the new token's position in each sequence
+    slots = decode.decode_block_tables[torch.arange(len(seq_lens)), last // block_size]
+    md = AttentionMetadata(slots * block_size + last % block_size, len(seq_lens),
+                           decode.decode_block_tables, decode.decode_seq_lens, ())  # fmt: skip
+    model_dtype = torch.float32 if kv_dtype in ("float32", "int8") else getattr(torch, kv_dtype)
+    qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.to(model_dtype).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q = q.reshape(-1, heads, dim)
+    k, v = k.reshape(-1, kv_heads, dim) * 1, v.view(-1, kv_heads, dim)  # K: RoPE made a copy
+    assert v.stride(0) == (heads + 2 * kv_heads) * dim != k.stride(0)
+    backend = select_backend("cpu-paged", torch.device("cpu"))
+    got = backend.forward(q, k, v, ours, md, dim**-0.5)
+    expected = TorchRefBackend().forward(q, k, v, reference, md, dim**-0.5)
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert torch.equal(mine, theirs)
+    tolerance = 2e-5 if model_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
