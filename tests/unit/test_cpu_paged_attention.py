@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import KV_DTYPES, SHAPES, decode_case, decode_metadata, filled_cache
+from attention_cases import (
+    KV_DTYPES,
+    SHAPES,
+    decode_case,
+    decode_metadata,
+    filled_cache,
+    mixed_step,
+)
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
@@ -150,3 +157,27 @@ def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
         assert torch.equal(mine, theirs)
     tolerance = 2e-5 if model_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_chunks_after_cached_context_equal_reference(kv_dtype):
+    """A step of decodes and prefill chunks, two of them after cached context: an unquantized
+    cache's chunks attend their context and themselves in two calls merged by log-sum-exp
+    (a quantized one takes the reference's masked call).  Outputs and caches must match the
+    reference's."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    md, num_blocks, num_tokens = mixed_step(block_size, gen)
+    assert sum(span.seq_len > span.num_query for span in md.prefills) == 2
+    dtype = torch.float32 if kv_dtype in ("float32", "int8") else getattr(torch, kv_dtype)
+    q, k, v = (torch.randn(num_tokens, n, dim, generator=gen).to(dtype)
+               for n in (heads, kv_heads, kv_heads))  # fmt: skip
+    caches, outputs = [], []
+    for backend in (TorchRefBackend(), select_backend("cpu-paged", torch.device("cpu"))):
+        cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen.manual_seed(9))
+        outputs.append(backend.forward(q, k, v, cache, md, dim**-0.5))
+        caches.append(cache)
+    for mine, theirs in zip(caches[1].tensors, caches[0].tensors, strict=True):
+        assert torch.equal(mine, theirs)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)

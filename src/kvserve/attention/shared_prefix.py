@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.torch_ref import group_queries, grouped_kv, ungroup
+
 # Below this many shared tokens, or this few sequences, the split is not worth its extra
 # passes (the per-sequence kernel is already cheap).
 MIN_SHARED_TOKENS = 128
@@ -65,6 +67,25 @@ def batched_attention_with_lse(
         folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask, scale=scale
     )
     return _unfold(out, num_query), _unfold(lse, num_query)
+
+
+def causal_attention_with_lse(
+    query: torch.Tensor,  # [L, H, D]
+    keys: torch.Tensor,  # [L, Hkv, D]: the query tokens' own keys
+    values: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of L tokens over themselves and each (token, head)'s log-sum-exp:
+    ([L, H, D] in the query's dtype, [L, H] float32).  GQA as a batch of each group's query
+    heads over K/V expanded along it (folding the group into the query length, as above,
+    would put a token's rows after other tokens and break the causal order)."""
+    num_kv_heads = keys.shape[1]
+    group = query.shape[1] // num_kv_heads
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        group_queries(query, num_kv_heads), grouped_kv(keys, group), grouped_kv(values, group),
+        is_causal=True, scale=scale,
+    )  # fmt: skip
+    return ungroup(out), ungroup(lse)
 
 
 def _unfold(x: torch.Tensor, num_query: int) -> torch.Tensor:
