@@ -145,7 +145,8 @@ class CpuPagedBackend(TorchRefBackend):
             or num_sharing < shared_prefix.MIN_SEQUENCES
         ):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
-                return self._decode_storing(query, key, value, kv_cache, metadata, scale)
+                store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
+                return self._decode(query, kv_cache, metadata, scale, store)
             return super().forward(query, key, value, kv_cache, metadata, scale)
         kv_cache.write(metadata.slot_mapping, key, value)
         if not inside:
@@ -234,28 +235,19 @@ class CpuPagedBackend(TorchRefBackend):
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        if query.device.type != "cpu":
-            return super()._decode(query, kv_cache, md, scale)
-        out = self._kernel_decode(
-            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None
-        )
-        return out.to(query.dtype)
-
-    def _decode_storing(
         self,
         query: torch.Tensor,  # [B, H, D]
-        key: torch.Tensor,  # [B, Hkv, D] this step's, the cache's dtype
-        value: torch.Tensor,
         kv_cache: LayerKVCache,
         md: AttentionMetadata,
         scale: float,
+        store: _NewRows | None = None,
     ) -> torch.Tensor:
-        """A decode-only step in one kernel call: each sequence's new K/V row is stored by
-        the thread that then attends it (a separate store pass cost ~3.4 ms of a 128-row
-        decode step, most of it misses on the 256 cold lines it wrote)."""
-        store = _NewRows(key, value, md.slot_mapping.to(torch.int64).contiguous())
+        """The decodes through the C kernel.  With `store`, a decode-only step is one kernel
+        call: each sequence's new K/V row is stored by the thread that then attends it (a
+        separate store pass cost ~3.4 ms of a 128-row decode step, most of it misses on the
+        256 cold lines it wrote)."""
+        if query.device.type != "cpu":
+            return super()._decode(query, kv_cache, md, scale)
         out = self._kernel_decode(
             query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None, store
         )
