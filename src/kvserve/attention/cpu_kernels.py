@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c", "argmax_rows.c")
+    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c", "argmax_rows.c", "silu_mul.c")
 )
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
@@ -225,6 +225,9 @@ def _open(path: Path) -> ctypes.CDLL:
     argmax = lib.argmax_rows
     argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
     argmax.restype = i32
+    silu_mul = lib.silu_mul_bf16
+    silu_mul.argtypes = [ptr, ctypes.c_int64, ptr] + [ctypes.c_int64] * 3 + [i32]
+    silu_mul.restype = i32
     return lib
 
 

@@ -20,6 +20,7 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
+from kvserve.models.fused_mlp import fused_silu_available, fused_silu_mul, silu_and_mul
 from kvserve.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 
@@ -90,8 +91,9 @@ def pre_attention(
 def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Output projection, residual, RMSNorm, SiLU-gated MLP, residual: the new hidden state."""
     hidden = hidden + layer.o_proj(attn.reshape(hidden.shape[0], -1))
-    gate, up = layer.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-    return hidden + layer.down_proj(F.silu(gate) * up)
+    gate_up = layer.gate_up_proj(layer.post_attention_layernorm(hidden))
+    activated = fused_silu_mul(gate_up) if layer.fused_silu else silu_and_mul(gate_up)
+    return hidden + layer.down_proj(activated)
 
 
 def between_attentions(
@@ -153,6 +155,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        # SiLU x up through the C kernel (fused_mlp.py): set for bfloat16 on a CPU that has it.
+        self.fused_silu = False
 
 
 class LlamaForCausalLM(nn.Module):
@@ -189,7 +193,15 @@ class LlamaForCausalLM(nn.Module):
         model.eval()
         if can_pack(device, dtype):
             model.pack_weights()
+        model.use_fused_silu(device, dtype)
         return model
+
+    def use_fused_silu(self, device: torch.device, dtype: torch.dtype) -> None:
+        """SiLU x up through the C kernel from now on where it serves this device and dtype
+        (fused_mlp.py); elsewhere torch's expression stays."""
+        enabled = fused_silu_available(device, dtype)
+        for layer in self.layers:
+            layer.fused_silu = enabled
 
     def pack_weights(self) -> None:
         """Every projection, and the LM head, through oneDNN-prepacked weights (see

@@ -261,6 +261,7 @@ def build_sharded_model(
     model.eval()
     if can_pack(device, dtype):
         pack_linear_layers(model.layers)
+    model.use_fused_silu(device, dtype)
     for layer in model.layers:
         layer.o_proj = RowParallelLinear(layer.o_proj, group)
         layer.down_proj = RowParallelLinear(layer.down_proj, group)

@@ -1,0 +1,76 @@
+/*
+ * SiLU(gate) x up for a bfloat16 model's MLP, rows of [gate | up] -> rows of the product.
+ *
+ * Inductor's fused kernel for it computes gate / (1 + exp(-gate)) with a 1-ulp exp and a
+ * true division: 1.23 ms a layer for a 2,048-token prefill step of the embedded model
+ * (3.1 M outputs), compute-bound, where copying the same 12 MB takes 0.5 ms.  Here exp is a
+ * degree-6 polynomial scaled by vscalefps and 1 / (1 + e) a reciprocal estimate refined by
+ * one Newton step: both within ~2 float32 ulp of torch's, which the product's rounding to
+ * bfloat16 (round to nearest even, as torch) hides except on rare rounding ties.
+ *
+ *   x    [rows, 2 * n] bfloat16, row r at x + r * x_stride elements: gate, then up
+ *   out  [rows, n] bfloat16, row r at out + r * out_stride elements
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* e^v for v in [-87, 88] (the caller clamps), ~2 ulp. */
+static inline __m512 exp16(__m512 v) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, v);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r); /* v - n ln2, in [-ln2 / 2, ln2 / 2] */
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 widen_bf16(const uint16_t *p, __mmask16 live) {
+    __m256i h = _mm256_maskz_loadu_epi16(live, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void silu_mul_row(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f), lo = _mm512_set1_ps(-87.0f);
+    const __m512 hi = _mm512_set1_ps(88.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 g = widen_bf16(gate + i, live), u = widen_bf16(up + i, live);
+        __m512 e = exp16(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), lo), hi));
+        __m512 d = _mm512_add_ps(one, e);
+        __m512 inv = _mm512_rcp14_ps(d);
+        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f))); /* Newton */
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
+        /* Below -88, SiLU is under 1e-36 in magnitude (torch: g / inf = -0), but the clamped
+         * exp would give g * e^-88: make it zero.  NaNs compare false and stay NaN. */
+        y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.0f), _CMP_LT_OQ),
+                               _mm512_setzero_ps());
+        __m256i packed = (__m256i)_mm512_cvtneps_pbh(y);
+        _mm256_mask_storeu_epi16(out + i, live, packed);
+    }
+}
+
+/* 0 on success, 1 when this build has no AVX512-BF16 path (the caller uses torch). */
+int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride,
+                  int64_t rows, int64_t n, int num_threads) {
+    #pragma omp parallel for num_threads(rows * n >= 65536 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(x + r * x_stride, x + r * x_stride + n, out + r * out_stride, n);
+    return 0;
+}
+#else
+int silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride,
+                  int64_t rows, int64_t n, int num_threads) {
+    (void)x, (void)x_stride, (void)out, (void)out_stride, (void)rows, (void)n, (void)num_threads;
+    return 1;
+}
+#endif

@@ -1,0 +1,69 @@
+"""SiLU(gate) x up through csrc/silu_mul.c against torch's expression evaluated in float32
+and rounded once, as the compiled layers evaluate it (eager bf16 rounds SiLU's output to
+bfloat16 before the product, a second rounding that differs from both on ~25% of values):
+within one bfloat16 ulp everywhere and equal almost everywhere (the kernel's exp and
+reciprocal are within ~2 float32 ulp of torch's, which the rounding hides except on ties),
+tails shorter than 16 values, strided rows, and the extremes of the exp's range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.models.fused_mlp import fused_silu_available, fused_silu_mul, silu_and_mul
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    not fused_silu_available(CPU, torch.bfloat16), reason="no AVX512-BF16 C kernel here"
+)
+
+
+def reference(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(gate_up.float()).bfloat16()
+
+
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of want's bfloat16 spacing (2^(exponent - 7))."""
+    want32 = want.float()
+    spacing = torch.ldexp(torch.ones_like(want32), torch.frexp(want32).exponent - 8)
+    return (got.float() - want32).abs() / spacing.clamp_min(2.0**-133)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 40), (7, 1536), (300, 72), (2048, 1536)])
+def test_equals_torch_within_one_bf16_ulp(rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    gate_up = (3 * torch.randn(rows, 2 * n, generator=gen)).to(torch.bfloat16)
+    got, want = fused_silu_mul(gate_up), reference(gate_up)
+    assert got.shape == want.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert bf16_ulps(got, want).max().item() <= 1.0
+    assert (got == want).float().mean().item() > 0.99
+
+
+def test_strided_rows_and_leading_dims():
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(2, 5, 3 * 48, generator=gen).to(torch.bfloat16)
+    gate_up = wide[..., :96]  # rows 144 values apart
+    got, want = fused_silu_mul(gate_up), reference(gate_up)
+    assert got.shape == (2, 5, 48)
+    assert bf16_ulps(got, want).max().item() <= 1.0
+
+
+def test_the_ends_of_the_range():
+    gate = torch.tensor([-1e4, -100.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 1.0, 20.0, 88.0, 100.0,
+                         1e4, -3e38, 3e38, 0.5, -0.5, -1e38, -88.5])  # fmt: skip
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)]).to(torch.bfloat16)[None]
+    got, want = fused_silu_mul(gate_up)[0].float(), reference(gate_up)[0].float()
+    overflow = ~want.isfinite()  # 3e38 x 1.5: inf both ways
+    assert overflow.sum() == 1 and torch.equal(got[overflow], want[overflow])
+    tiny = want.abs() < 1e-30  # silu of a very negative gate: both within a hair of zero
+    assert (got[tiny].abs() < 1e-30).all()
+    rest = ~tiny & ~overflow
+    assert bf16_ulps(got[rest], want[rest].bfloat16()).max().item() <= 1.0
+
+
+def test_float32_keeps_torch_expression():
+    """A float32 model's layers never take the kernel (their parity with transformers is
+    exact), and the op itself gives torch's values for float32 input."""
+    assert not fused_silu_available(CPU, torch.float32)
+    gate_up = torch.randn(3, 64)
+    assert torch.equal(fused_silu_mul(gate_up), silu_and_mul(gate_up))
