@@ -16,7 +16,10 @@ workloads, same client (`kvserve bench serve`), plus the hardware bound, in one 
 3. Each server is started (kvserve with --kvserve-args; the other with --other-cmd, whose
    {port} and {model} are filled in), W1 then W3 then W2 (Poisson at 70% of the other
    server's W1 request rate) are run against it, and it is stopped.  The ratios printed are
-   kvserve over the other: output tok/s, duration, TTFT and TPOT p50/p99.
+   kvserve over the other: output tok/s, duration, TTFT and TPOT p50/p99.  With --rounds N
+   the comparison runs N times, alternating which server goes first: this machine's speed
+   drifts within a run, which favours whichever server runs first; the geometric mean of the
+   rounds' ratios cancels a steady drift.
 
 Workloads (docs/benchmarks.md): W1 = N x 256 in / 128 out all at once; W3 = 64 x (1,024
 shared + 32) in / 32 out; W2 = W1's requests at a Poisson rate.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -160,6 +164,23 @@ def ratios(kv: dict[str, dict], other: dict[str, dict], other_name: str) -> list
     return lines
 
 
+def mean_ratios(rounds: list[dict[str, dict]], other_name: str) -> list[str]:
+    """kvserve's advantage per workload and metric, the geometric mean over rounds."""
+    lines = [f"| workload | metric | kvserve advantage over {other_name} |", "|---|---|---:|"]
+    for workload in rounds[0]["kvserve"]:
+        for key, label, better in KEYS:
+            gains = []
+            for results in rounds:
+                a = results["kvserve"].get(workload, {}).get(key)
+                b = results["other"].get(workload, {}).get(key)
+                if a and b:
+                    gains.append(a / b if better == "higher" else b / a)
+            if len(gains) == len(rounds):
+                mean = math.exp(sum(math.log(g) for g in gains) / len(gains))
+                lines.append(f"| {workload} | {label} | {mean:.2f}x |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/side_by_side"))
@@ -172,6 +193,10 @@ def main() -> int:
     parser.add_argument("--workloads", default="w1,w3,w2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Compare the servers this many times, alternating which goes "
+                             "first (the machine's speed drifts during a run), and report "
+                             "each round and their geometric mean.")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
@@ -183,25 +208,50 @@ def main() -> int:
         report["offline"] = profile_offline(args)
         print(json.dumps(report["offline"], indent=1), flush=True)
     tokenizer = load_bench_tokenizer(None, EMBEDDED_NAME)
-    other = {}
-    if args.other_cmd:
-        port = free_port()
-        command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-        other = serve_and_bench(Server(args.other_name, command, port, args.out),
-                                args, tokenizer, None)  # fmt: skip
-    port = free_port()
-    rate = 0.7 * other["W1"]["request_throughput"] if other else None
-    server = Server("kvserve", kvserve_command(port, args.kvserve_args), port, args.out)
-    kv = serve_and_bench(server, args, tokenizer, rate if "w2" in args.workloads else None)
-    if other and "w2" in args.workloads:
-        port = free_port()
-        command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-        with Server(args.other_name, command, port, args.out) as again:
-            other["W2"] = run_bench(again, "W2", w1(args), tokenizer, rate)
-    report.update(kvserve=kv, other=other)
+    report["rounds"] = []
+    rate = None  # W2's: 70% of the other server's W1 request rate in the first round
+    for index in range(args.rounds):
+        other_first = index % 2 == 0
+        print(f"# round {index + 1}: {args.other_name if other_first else 'kvserve'} first",
+              flush=True)  # fmt: skip
+        results = one_round(args, tokenizer, other_first, rate)
+        if results["other"] and rate is None:
+            rate = 0.7 * results["other"]["W1"]["request_throughput"]
+            if "w2" in args.workloads:  # the other server ran before its W2 rate was known
+                results["other"]["W2"] = other_w2(args, tokenizer, rate)
+        report["rounds"].append(results)
+    report.update(kvserve=report["rounds"][0]["kvserve"], other=report["rounds"][0]["other"])
     summarize(report, args)
     (args.out / "side_by_side.json").write_text(json.dumps(report, indent=2))
     return 0
+
+
+def one_round(args: argparse.Namespace, tokenizer: Any, other_first: bool,
+              rate: float | None) -> dict[str, dict]:  # fmt: skip
+    """Each server started, benchmarked and stopped in turn.  Without a W2 rate yet, the first
+    server to run (the other) skips W2, and the rate comes from its W1."""
+    w2_rate = rate if "w2" in args.workloads else None
+    results: dict[str, dict] = {"other": {}}
+    for role in ("other", "kvserve") if other_first else ("kvserve", "other"):
+        if role == "other" and args.other_cmd:
+            port = free_port()
+            command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
+            results["other"] = serve_and_bench(Server(args.other_name, command, port, args.out),
+                                               args, tokenizer, w2_rate)  # fmt: skip
+            if w2_rate is None and "w2" in args.workloads:
+                w2_rate = 0.7 * results["other"]["W1"]["request_throughput"]
+        elif role == "kvserve":
+            port = free_port()
+            server = Server("kvserve", kvserve_command(port, args.kvserve_args), port, args.out)
+            results["kvserve"] = serve_and_bench(server, args, tokenizer, w2_rate)
+    return results
+
+
+def other_w2(args: argparse.Namespace, tokenizer: Any, rate: float) -> dict:
+    port = free_port()
+    command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
+    with Server(args.other_name, command, port, args.out) as again:
+        return run_bench(again, "W2", w1(args), tokenizer, rate)
 
 
 def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
@@ -220,8 +270,13 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
         lines.append(
             f"  HTTP, tokenizer threads and streaming (served - offline): {100 * http:.1f}%"
         )
-    if report["other"]:
-        lines += ["", *ratios(report["kvserve"], report["other"], args.other_name)]
+    rounds = [r for r in report["rounds"] if r["other"]]
+    for index, results in enumerate(rounds):
+        lines += ["", f"round {index + 1}:", *ratios(results["kvserve"], results["other"],
+                                                      args.other_name)]  # fmt: skip
+    if len(rounds) > 1:
+        lines += ["", f"geometric mean of the {len(rounds)} rounds' ratios:",
+                  *mean_ratios(rounds, args.other_name)]  # fmt: skip
     text = "\n".join(lines)
     print("\n" + text, flush=True)
     (args.out / "summary.md").write_text(text + "\n")
