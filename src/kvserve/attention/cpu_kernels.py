@@ -40,6 +40,8 @@ _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c", "argmax_rows.c", "silu_mul.c")
 )
+# Included by the sources: part of the library's identity (its cache name), not compiled alone.
+_HEADERS = (Path(__file__).parent / "csrc" / "vec_exp.h",)
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
     # Let the dot products vectorize (reassociation) without -ffast-math's process-wide
@@ -125,7 +127,7 @@ def _cpuinfo_features() -> str:
 
 def library_name(compiler: str, features: str) -> str:
     """A content key: source, compiler, flags, machine type and ISA features."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES))
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS)))
     digest.update(" ".join((compiler, *_FLAGS, platform.machine())).encode())
     digest.update(features.encode())
     return f"paged_decode-{digest.hexdigest()[:16]}.so"

@@ -29,6 +29,7 @@
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec_exp.h"
 
 /* 4 was "fp8 through the table", before each fp8 format had its own kind */
 enum kv_kind { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_E4M3 = 5, KV_E5M2 = 6 };
@@ -145,24 +146,6 @@ static inline void dot8(const float *restrict q, const float *const *rows, int d
     __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
     __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
-}
-
-/* exp(x) for 8 lanes, x <= 0 here: Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial
- * for exp(r) on |r| <= ln2/2 (relative error ~1e-7), and 2^n built in the exponent bits. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* p[o] = exp(p[o] - shift); returns the sum. */
@@ -316,12 +299,6 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
  * KV head: 16 rows' dot products in 16 accumulators folded by one transposing reduction, an
  * online softmax on 16 lanes at once, and p x V in float32. */
 #define BF16_CHUNKS_MAX 8 /* dim <= 256 */
-
-static inline __m512 exp16(__m512 x) { /* exp8's polynomial on both halves */
-    __m256 lo = exp8(_mm512_castps512_ps256(x));
-    __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-}
 
 /* r[o] = sum of a[o]'s 16 lanes, for 16 vectors at once: a transposing reduction (pairs of
  * rows, then quads, then the four 128-bit quarters) instead of 16 horizontal sums. */

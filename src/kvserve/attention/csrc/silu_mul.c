@@ -3,9 +3,9 @@
  *
  * Inductor's fused kernel for it computes gate / (1 + exp(-gate)) with a 1-ulp exp and a
  * true division: 1.23 ms a layer for a 2,048-token prefill step of the embedded model
- * (3.1 M outputs), compute-bound, where copying the same 12 MB takes 0.5 ms.  Here exp is a
- * degree-6 polynomial scaled by vscalefps and 1 / (1 + e) a reciprocal estimate refined by
- * one Newton step: both within ~2 float32 ulp of torch's, which the product's rounding to
+ * (3.1 M outputs), compute-bound, where copying the same 12 MB takes 0.5 ms.  Here exp is
+ * the kernels' polynomial (vec_exp.h) and 1 / (1 + e) a reciprocal estimate refined by one
+ * Newton step: both within ~2 float32 ulp of torch's, which the product's rounding to
  * bfloat16 (round to nearest even, as torch) hides except on rare rounding ties.
  *
  *   x    [rows, 2 * n] bfloat16, row r at x + r * x_stride elements: gate, then up
@@ -14,25 +14,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* e^v for v in [-87, 88] (the caller clamps), ~2 ulp. */
-static inline __m512 exp16(__m512 v) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, v);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r); /* v - n ln2, in [-ln2 / 2, ln2 / 2] */
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#include "vec_exp.h"
 
 static inline __m512 widen_bf16(const uint16_t *p, __mmask16 live) {
     __m256i h = _mm256_maskz_loadu_epi16(live, p);
