@@ -4,7 +4,7 @@ Inductor compiles `F.silu(gate) * up` into one vectorized loop, but with a 1-ulp
 true division per value: 1.23 ms a layer for a 2,048-token prefill step of the embedded
 model, compute-bound (copying the same 12 MB takes 0.5 ms).  The C kernel uses a polynomial
 exp and a refined reciprocal, within ~2 float32 ulp of torch's, which rounding the product to
-bfloat16 hides except on rare ties (tests/model/test_fast_paths.py bounds the difference).
+bfloat16 hides except on rare ties (tests/unit/test_fused_mlp.py bounds the difference).
 Float32 models keep torch's expression, and with it their exact parity with transformers.
 """
 

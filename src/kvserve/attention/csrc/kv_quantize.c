@@ -149,8 +149,10 @@ int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *c
 }
 
 /* One row into its slot with non-temporal stores, where both fit them (64-byte lines): a
- * prefill chunk's rows are attended from the tensors they came from, so this step never reads
- * them back from the cache, and a streaming store skips reading each line before writing it. */
+ * streaming store skips reading each cold line before writing it.  A prefill chunk is attended
+ * from the tensors its rows came from; only requests that share a prefix computed in the same
+ * step read those rows back from the cache this step (from memory, once: correct either way,
+ * see the fence below). */
 static inline int store_row_streaming(char *dst, const char *src, int64_t row_bytes) {
 #ifdef HAVE_AVX512_STORE
     if (((uintptr_t)dst & 63) || (row_bytes & 63)) return 0;
