@@ -242,10 +242,7 @@ def one_round(args: argparse.Namespace, tokenizer: Any, other_first: bool,
     results: dict[str, dict] = {"other": {}}
     for role in ("other", "kvserve") if other_first else ("kvserve", "other"):
         if role == "other" and args.other_cmd:
-            port = free_port()
-            command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-            results["other"] = serve_and_bench(Server(args.other_name, command, port, args.out),
-                                               args, tokenizer, w2_rate)  # fmt: skip
+            results["other"] = serve_and_bench(other_server(args), args, tokenizer, w2_rate)
             if w2_rate is None and "w2" in args.workloads:
                 w2_rate = 0.7 * results["other"]["W1"]["request_throughput"]
         elif role == "kvserve":
@@ -255,10 +252,15 @@ def one_round(args: argparse.Namespace, tokenizer: Any, other_first: bool,
     return results
 
 
-def other_w2(args: argparse.Namespace, tokenizer: Any, rate: float) -> dict:
+def other_server(args: argparse.Namespace) -> Server:
+    """The other server's command line on a free port."""
     port = free_port()
     command = args.other_cmd.format(port=port, model=EMBEDDED_NAME)
-    with Server(args.other_name, command, port, args.out) as again:
+    return Server(args.other_name, command, port, args.out)
+
+
+def other_w2(args: argparse.Namespace, tokenizer: Any, rate: float) -> dict:
+    with other_server(args) as again:
         return run_bench(again, "W2", w2(args), tokenizer, rate)
 
 
