@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvserve import LLM
+from kvserve.allocator import reexec_with_allocator
 from kvserve.kv.spec import cdiv
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     llm = LLM(kv_cache_memory=64 * 2**20, max_model_len=1024, enforce_eager=True)
     model = llm.engine.model
     chunk = args.max_num_batched_tokens

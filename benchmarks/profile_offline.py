@@ -22,6 +22,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
+from kvserve.allocator import reexec_with_allocator
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
 LINEAR_OPS = ("kvserve::packed_linear", "aten::mm", "aten::addmm")
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=4 * 2**30)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     llm = LLM(kv_cache_memory=args.kv_cache_memory, max_model_len=1024)
     run(llm, 2, seed=2)  # warm up
     w1 = run(llm, args.num_prompts, seed=0)

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 
 from kvserve import LLM, SamplingParams
+from kvserve.allocator import reexec_with_allocator
 from kvserve.engine.llm_engine import LLMEngine
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--build-on-thread", action="store_true")
     parser.add_argument("--generate-on-thread", action="store_true")
     args = parser.parse_args()
+    reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(INPUT_LEN)]
                for _ in range(args.num_prompts)]  # fmt: skip

@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 
 from kvserve import LLM, SamplingParams
+from kvserve.allocator import reexec_with_allocator
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     engine = LLM(kv_cache_memory=2 * 2**30, max_model_len=1024).engine

@@ -14,6 +14,7 @@ import random
 import time
 
 from kvserve import LLM, SamplingParams
+from kvserve.allocator import reexec_with_allocator
 from kvserve.attention import shared_prefix
 
 
@@ -22,6 +23,7 @@ def main() -> None:
     parser.add_argument("--no-split", action="store_true")
     parser.add_argument("--show-steps", type=int, default=3)
     args = parser.parse_args()
+    reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     if args.no_split:
         shared_prefix.MIN_SHARED_TOKENS = 10**9
     llm = LLM(kv_cache_memory=2 * 2**30, max_model_len=2048)

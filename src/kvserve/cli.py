@@ -8,8 +8,12 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
+from kvserve.allocator import reexec_with_allocator
 from kvserve.errors import UserInputError
 from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, from_args
+
+# The commands that run an engine in this process: they get tcmalloc (allocator.py).
+ENGINE_COMMANDS = ("serve", "generate", "eval-kv")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if argv is None and args.command in ENGINE_COMMANDS:
+            reexec_with_allocator()  # from the command line only: never re-execute a caller
         return int(args.func(args) or 0)
     except UserInputError as exc:  # a flag, a model file, a capacity the user can change
         print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
