@@ -111,3 +111,18 @@ def test_compile_warm_up_never_touches_blocks_loaded_from_the_store(tiny_dir, tm
     again = restarted.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == 64  # loaded from disk, after the warm-up
     assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
+def test_rows_padded_once_per_step_give_the_same_logprobs(tiny_dir):
+    """A packed model runs its layers on the bucketed row count (LlamaForCausalLM._padded)
+    instead of padding each projection's input: the same oneDNN shapes, so the very same
+    values, for steps of 3 prompts (20 + 33 + 46 = 99 rows -> 112) and of 3 decodes.  No
+    prefix caching: the second run must compute what the first did, not read it back."""
+    llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
+              enforce_eager=True, enable_prefix_caching=False)  # fmt: skip
+    model = llm.engine.model
+    assert model.pads_rows
+    padded = _logprobs_and_tokens(llm)
+    model.pads_rows = False
+    assert _logprobs_and_tokens(llm) == padded
