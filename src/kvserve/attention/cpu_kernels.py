@@ -38,7 +38,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode.c", "kv_quantize.c", "omp_affinity.c", "argmax_rows.c", "silu_mul.c")
+    for name in (
+        "paged_decode.c",
+        "kv_quantize.c",
+        "omp_affinity.c",
+        "argmax_rows.c",
+        "silu_mul.c",
+        "prefill_amx.c",
+    )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.
 _HEADERS = (Path(__file__).parent / "csrc" / "vec_exp.h",)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.attention import shared_prefix
+from kvserve.attention import amx_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
@@ -124,6 +124,7 @@ class CpuPagedBackend(TorchRefBackend):
     def __init__(self) -> None:
         self._kernel = load_paged_decode().paged_decode_attention
         self._luts = {name: fp8_lookup_table(name) for name in quant.FP8_TORCH_DTYPES}
+        self._amx = amx_prefill.amx_prefill_available()
 
     def forward(
         self,
@@ -223,6 +224,10 @@ class CpuPagedBackend(TorchRefBackend):
         keeps the model's dtype; a quantized cache (whose stored values the reference
         attends) takes the reference's path."""
         num_context = span.seq_len - query.shape[0]
+        if self._amx and query.dtype == torch.bfloat16:
+            out = self._amx_prefill(query, key, value, kv_cache, span, scale)
+            if out is not None:
+                return out
         if num_context == 0 or not _cache_keeps_as_computed(key, value, kv_cache):
             return super()._prefill(query, key, value, kv_cache, span, scale)
         block_size = kv_cache.key.shape[1]
@@ -233,6 +238,27 @@ class CpuPagedBackend(TorchRefBackend):
         )
         out2, lse2 = shared_prefix.causal_attention_with_lse(query, key, value, scale)
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
+
+    @staticmethod
+    def _amx_prefill(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        span: PrefillSpan,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """A bfloat16 chunk through the AMX kernel (amx_prefill.py), in one call: a fresh
+        prompt over its own K/V, a chunk after context over its whole sequence as the cache
+        holds it (the step's rows were stored before attention, so this is what the
+        reference attends, quantized or not).  None where the kernel does not apply."""
+        if span.seq_len == query.shape[0]:
+            keys, values = key, value
+        else:
+            keys, values = kv_cache.gather(span.block_table, query.dtype)
+            keys, values = keys[: span.seq_len], values[: span.seq_len]
+        result = amx_prefill.attend(query, keys, values, True, scale)
+        return None if result is None else result[0]
 
     def _decode(
         self,

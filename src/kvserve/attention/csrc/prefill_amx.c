@@ -1,0 +1,341 @@
+/*
+ * A prefill chunk's attention in bfloat16 on AMX tiles (CPUs with AMX-BF16).
+ *
+ * PyTorch's CPU flash kernel ran a 256-token causal prompt of the embedded model (9 heads of
+ * 64) at ~240 GFLOP/s on two cores, 373 us a layer, of which the exponentials are ~30 us:
+ * its matrix products, not its softmax, held it back.  Here both products run on AMX tiles,
+ * and the softmax is exact and in two passes per block of 16 query rows (as in
+ * paged_decode.c): every score of the block first (16 x keys floats, in L2), then one max,
+ * exp and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
+ * kernel rounds them.  No running maxima, no rescaling.
+ *
+ *   q      [L, H, D] bf16: token t, head h at q + t * q_stride + h * D (elements)
+ *   k, v   [S, Hkv, D] bf16: key j, KV head g at k + j * k_stride + g * D
+ *   causal query t sees keys j <= t + (S - L) (the chunk is the last L of S tokens);
+ *          else every key
+ *   out    [L, H, D] contiguous: bf16 (out_bf16) or float32 (out_f32), one of the two
+ *   lse    [L, H] float32, or NULL: each row's log-sum-exp of its scaled scores
+ *
+ * D: a multiple of 32, at most 256.  GQA: query head h reads KV head h / (H / Hkv); K and V
+ * are packed once per call per KV head into the tiles' layouts (below) and shared by the
+ * group.  Returns 0, 1 where this build or CPU has no AMX (the caller keeps SDPA), or 2 when
+ * out of memory.
+ */
+#define _GNU_SOURCE /* syscall() */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
+#include <immintrin.h>
+#include <math.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "vec_exp.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_WORDS 256 /* 16 rows x 64 bytes, as uint32 */
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands AMX's tile state to a process only when asked (once; idempotent). */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 accumulators. */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* K of one KV head as the B operand of Q x K^T: per block of 16 keys and 32 dimensions, a
+ * tile whose row r holds dimensions (2r, 2r + 1) of each of the 16 keys (VNNI pairs): the
+ * keys' 32-bit pairs, transposed.  Keys past S are zero. */
+static void pack_keys(const uint16_t *k, int64_t k_stride, int64_t num_keys, int dim,
+                      uint32_t *packed) {
+    const int halves = dim / 32;
+    const int64_t blocks = (num_keys + 15) / 16;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int n = 0; n < 16; n++) {
+            const int64_t key = b * 16 + n;
+            const uint32_t *row = (const uint32_t *)(k + key * k_stride);
+            for (int half = 0; half < halves; half++) {
+                uint32_t *tile = packed + (b * halves + half) * TILE_WORDS;
+                for (int r = 0; r < 16; r++) tile[r * 16 + n] = key < num_keys ? row[16 * half + r] : 0;
+            }
+        }
+}
+
+/* V of one KV head as the B operand of P x V: per block of 32 keys and 16 dimensions, a
+ * tile whose row r holds keys (2r, 2r + 1) of each of the 16 dimensions, interleaved. */
+static void pack_values(const uint16_t *v, int64_t v_stride, int64_t num_keys, int dim,
+                        uint32_t *packed) {
+    const int dim_blocks = dim / 16;
+    const int64_t blocks = (num_keys + 31) / 32;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t k0 = b * 32 + 2 * r;
+            const uint16_t *even = k0 < num_keys ? v + k0 * v_stride : NULL;
+            const uint16_t *odd = k0 + 1 < num_keys ? v + (k0 + 1) * v_stride : NULL;
+            for (int db = 0; db < dim_blocks; db++) {
+                uint32_t *row = packed + (b * dim_blocks + db) * TILE_WORDS + r * 16;
+                for (int n = 0; n < 16; n++) {
+                    uint32_t lo = even ? even[db * 16 + n] : 0, hi = odd ? odd[db * 16 + n] : 0;
+                    row[n] = lo | hi << 16;
+                }
+            }
+        }
+}
+
+typedef struct {
+    const uint16_t *q;
+    int64_t q_stride, num_query, num_keys;
+    int num_heads, group, dim, causal;
+    float scale;
+    const uint32_t *keys, *values; /* packed, per KV head */
+    int64_t keys_per_head, values_per_head;
+    uint16_t *out_bf16;
+    float *out_f32, *lse;
+} prefill_args;
+
+typedef struct {
+    float *scores;  /* [16, padded keys] */
+    uint16_t *probs; /* [16, padded keys] bf16 */
+    uint16_t *qbuf; /* [16, dim] */
+    float *obuf;    /* [16, dim] */
+    float row_max[16], row_sum[16];
+} block_work;
+
+/* Scores of 16 query rows against keys [0, 16 * blocks): Q x K^T, four key blocks at a time
+ * into four accumulators (one at a time waited on each product's latency). */
+#define SCORE_STEP(acc, b_tile, block)                                                        \
+    do {                                                                                      \
+        _tile_loadd(b_tile, keys + ((block) * halves + half) * TILE_WORDS, 64);              \
+        _tile_dpbf16ps(acc, 0, b_tile);                                                       \
+    } while (0)
+
+static void block_scores(const prefill_args *a, const uint32_t *keys, block_work *w,
+                         int64_t blocks, int64_t stride) {
+    const int halves = a->dim / 32;
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int half = 0; half < halves; half++) {
+            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
+            SCORE_STEP(4, 2, b);
+            SCORE_STEP(5, 3, b + 1);
+            SCORE_STEP(6, 2, b + 2);
+            SCORE_STEP(7, 3, b + 3);
+        }
+        _tile_stored(4, w->scores + b * 16, stride * 4);
+        _tile_stored(5, w->scores + (b + 1) * 16, stride * 4);
+        _tile_stored(6, w->scores + (b + 2) * 16, stride * 4);
+        _tile_stored(7, w->scores + (b + 3) * 16, stride * 4);
+    }
+    for (; b < blocks; b++) {
+        _tile_zero(4);
+        for (int half = 0; half < halves; half++) {
+            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
+            SCORE_STEP(4, 2, b);
+        }
+        _tile_stored(4, w->scores + b * 16, stride * 4);
+    }
+}
+
+/* Row m's softmax over its keys [0, limit) into bf16 probabilities (zero up to `padded`);
+ * its max (scaled) and sum kept for the output and the log-sum-exp. */
+static inline __mmask16 live_lanes(int64_t j, int64_t limit) {
+    return j >= limit ? 0 : limit - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (limit - j)) - 1u);
+}
+
+static void row_softmax(block_work *w, int m, int64_t limit, int64_t padded, int64_t stride,
+                        float scale) {
+    const float *s = w->scores + m * stride;
+    uint16_t *p = w->probs + m * stride;
+    /* Two independent chains each for the max and the sum (one waited on its latency). */
+    __m512 top0 = _mm512_set1_ps(-INFINITY), top1 = top0;
+    for (int64_t j = 0; j < limit; j += 32) {
+        __mmask16 l0 = live_lanes(j, limit), l1 = live_lanes(j + 16, limit);
+        top0 = _mm512_mask_max_ps(top0, l0, top0, _mm512_maskz_loadu_ps(l0, s + j));
+        top1 = _mm512_mask_max_ps(top1, l1, top1, _mm512_maskz_loadu_ps(l1, s + j + 16));
+    }
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1)) * scale;
+    const __m512 vscale = _mm512_set1_ps(scale), vmx = _mm512_set1_ps(mx);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+    for (int64_t j = 0; j < padded; j += 32) { /* padded: a multiple of 32 */
+        __mmask16 l0 = live_lanes(j, limit), l1 = live_lanes(j + 16, limit);
+        __m512 e0 = _mm512_maskz_mov_ps(l0, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l0, s + j), vscale, vmx)));
+        __m512 e1 = _mm512_maskz_mov_ps(l1, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l1, s + j + 16), vscale, vmx)));
+        sum0 = _mm512_add_ps(sum0, e0);
+        sum1 = _mm512_add_ps(sum1, e1);
+        _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    w->row_max[m] = mx;
+    w->row_sum[m] = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+/* O = P x V for the block's 16 rows, four 16-dimension tiles at a time. */
+static void block_output(const prefill_args *a, const uint32_t *values, block_work *w,
+                         int64_t pairs_blocks, int64_t stride) {
+    const int dim_blocks = a->dim / 16;
+    for (int dg = 0; dg < dim_blocks; dg += 4) {
+        const int nd = dim_blocks - dg < 4 ? dim_blocks - dg : 4;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t b = 0; b < pairs_blocks; b++) {
+            const uint32_t *vt = values + (b * dim_blocks + dg) * TILE_WORDS;
+            _tile_loadd(1, w->probs + b * 32, stride * 2);
+            _tile_loadd(2, vt, 64);
+            _tile_dpbf16ps(4, 1, 2);
+            if (nd > 1) {
+                _tile_loadd(3, vt + TILE_WORDS, 64);
+                _tile_dpbf16ps(5, 1, 3);
+            }
+            if (nd > 2) {
+                _tile_loadd(2, vt + 2 * TILE_WORDS, 64);
+                _tile_dpbf16ps(6, 1, 2);
+            }
+            if (nd > 3) {
+                _tile_loadd(3, vt + 3 * TILE_WORDS, 64);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        float *o = w->obuf + dg * 16;
+        _tile_stored(4, o, a->dim * 4);
+        if (nd > 1) _tile_stored(5, o + 16, a->dim * 4);
+        if (nd > 2) _tile_stored(6, o + 32, a->dim * 4);
+        if (nd > 3) _tile_stored(7, o + 48, a->dim * 4);
+    }
+}
+
+/* Query rows [16 qb, 16 qb + 16) of head h. */
+static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w) {
+    const int64_t first = qb * 16, offset = a->num_keys - a->num_query;
+    const int rows = a->num_query - first < 16 ? (int)(a->num_query - first) : 16;
+    int64_t end = a->causal ? first + rows + offset : a->num_keys; /* keys any row sees */
+    if (end > a->num_keys) end = a->num_keys;
+    /* Rows of scores and probabilities an odd number of 64-byte lines apart: at a power of
+     * two (2,048 keys) the 16 rows of a tile share one L1 set, and the block ran 1.x slower. */
+    const int64_t pair_blocks = (end + 31) / 32, padded = pair_blocks * 32, stride = padded + 16;
+    const int kv_head = h / a->group, dim = a->dim;
+    for (int m = 0; m < 16; m++) {
+        if (m < rows)
+            memcpy(w->qbuf + m * dim, a->q + (first + m) * a->q_stride + (int64_t)h * dim, dim * 2);
+        else
+            memset(w->qbuf + m * dim, 0, dim * 2);
+    }
+    block_scores(a, a->keys + kv_head * a->keys_per_head, w, (end + 15) / 16, stride);
+    for (int m = 0; m < 16; m++) {
+        if (m < rows) {
+            int64_t limit = a->causal ? first + m + offset + 1 : a->num_keys;
+            row_softmax(w, m, limit < end ? limit : end, padded, stride, a->scale);
+        } else {
+            memset(w->probs + m * stride, 0, padded * 2);
+        }
+    }
+    block_output(a, a->values + kv_head * a->values_per_head, w, pair_blocks, stride);
+    for (int m = 0; m < rows; m++) {
+        const int64_t row = (first + m) * a->num_heads + h;
+        const __m512 inv = _mm512_set1_ps(1.0f / w->row_sum[m]);
+        for (int d = 0; d < dim; d += 16) {
+            __m512 o = _mm512_mul_ps(_mm512_loadu_ps(w->obuf + m * dim + d), inv);
+            if (a->out_f32)
+                _mm512_storeu_ps(a->out_f32 + row * dim + d, o);
+            else
+                _mm256_storeu_si256((__m256i *)(a->out_bf16 + row * dim + d),
+                                    (__m256i)_mm512_cvtneps_pbh(o));
+        }
+        if (a->lse) a->lse[row] = w->row_max[m] + logf(w->row_sum[m]);
+    }
+}
+
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
+                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
+                           float *lse, int num_threads) {
+    if (!amx_permitted() || dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 ||
+        num_query < 1 || (causal && num_keys < num_query))
+        return 1;
+    const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
+    prefill_args a = {q, q_stride, num_query, num_keys, num_heads, num_heads / num_kv_heads, dim,
+                      causal, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
+                      pair_blocks * (dim / 16) * TILE_WORDS, out_bf16, out_f32, lse};
+    uint32_t *packed = aligned_alloc(64, (size_t)(a.keys_per_head + a.values_per_head) *
+                                             num_kv_heads * sizeof(uint32_t));
+    if (!packed) return 2;
+    a.keys = packed;
+    a.values = packed + a.keys_per_head * num_kv_heads;
+    const int64_t query_blocks = (num_query + 15) / 16, items = query_blocks * num_heads;
+    const int64_t padded = pair_blocks * 32;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < 2 * num_kv_heads; i++) {
+            const int g = i / 2;
+            if (i % 2 == 0)
+                pack_keys(k + (int64_t)g * dim, k_stride, num_keys, dim,
+                          (uint32_t *)a.keys + g * a.keys_per_head);
+            else
+                pack_values(v + (int64_t)g * dim, v_stride, num_keys, dim,
+                            (uint32_t *)a.values + g * a.values_per_head);
+        }
+        block_work w = {0};
+        char *buffer = aligned_alloc(64, (size_t)16 * (padded + 16) * 6 + (size_t)16 * dim * 6 + 64);
+        if (!buffer) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            w.scores = (float *)buffer;
+            w.probs = (uint16_t *)(w.scores + 16 * (padded + 16));
+            w.obuf = (float *)(w.probs + 16 * (padded + 16));
+            w.qbuf = (uint16_t *)(w.obuf + 16 * dim);
+            configure_tiles();
+        }
+        /* The last query blocks see the most keys: hand them out first. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++)
+            if (buffer)
+                attend_block(&a, (int)(item % num_heads), query_blocks - 1 - item / num_heads, &w);
+        if (buffer) _tile_release();
+        free(buffer);
+    }
+    free(packed);
+    return failed ? 2 : 0;
+}
+#else
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
+                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
+                           float *lse, int num_threads) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
+    (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
+    (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
+    return 1;
+}
+#endif

@@ -1,0 +1,96 @@
+"""The AMX prefill kernel (attention/amx_prefill.py) against attention in float64: causal
+chunks that end their sequence, unmasked attention with log-sum-exps, GQA and head sizes
+32-128, lengths that are not multiples of the kernel's 16-row and 32-key blocks.  Its
+probabilities are rounded to bfloat16 before P x V, as SDPA's flash kernel rounds them: the
+error bound is checked against SDPA's own on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention import amx_prefill
+from kvserve.attention.torch_ref import _sequence_attention
+
+pytestmark = pytest.mark.skipif(
+    not amx_prefill.amx_prefill_available(), reason="no AMX-BF16 kernel on this CPU"
+)
+
+
+def reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L, H, D], [L, H]) in float64."""
+    (num_query, num_heads, _), num_keys = query.shape, keys.shape[0]
+    group = num_heads // keys.shape[1]
+    q = query.double().transpose(0, 1)
+    k = keys.double().repeat_interleave(group, 1).transpose(0, 1)
+    v = values.double().repeat_interleave(group, 1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale
+    if causal:
+        visible = torch.arange(num_keys)[None, :] <= torch.arange(num_query)[:, None] + (
+            num_keys - num_query
+        )
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1), scores.logsumexp(-1).transpose(0, 1)
+
+
+def inputs(num_query, num_keys, heads, kv_heads, dim, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def make(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    return make(num_query, heads, dim), make(num_keys, kv_heads, dim), make(num_keys, kv_heads, dim)
+
+
+CASES = [  # (L, S, H, Hkv, D, causal)
+    (256, 256, 9, 3, 64, True),  # a fresh prompt of the embedded model
+    (37, 37, 9, 3, 64, True),  # tails of both blocks
+    (20, 300, 4, 2, 32, True),  # a chunk after 280 cached tokens
+    (1, 1, 9, 3, 64, True),
+    (33, 70, 8, 8, 128, False),  # unmasked (a shared prefix), MHA, two passes of 64 dims
+    (100, 1100, 9, 3, 64, False),
+]
+
+
+@pytest.mark.parametrize(("num_query", "num_keys", "heads", "kv_heads", "dim", "causal"), CASES)
+def test_the_kernel_is_as_close_to_exact_attention_as_sdpa(
+    num_query, num_keys, heads, kv_heads, dim, causal
+):
+    q, k, v = inputs(num_query, num_keys, heads, kv_heads, dim)
+    scale = dim**-0.5
+    want, want_lse = reference(q, k, v, causal, scale)
+    got, lse = amx_prefill.attend(q, k, v, causal, scale, with_lse=True)
+    assert got.dtype == torch.float32 and lse is not None
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-6)
+    # SDPA's error on the same inputs (the trailing causal mask as a boolean mask).
+    mask = None
+    if causal and num_keys != num_query:
+        mask = torch.arange(num_keys)[None, :] <= torch.arange(num_query)[:, None] + (
+            num_keys - num_query
+        )
+    elif not causal:
+        mask = torch.ones(num_query, num_keys, dtype=torch.bool)
+    sdpa = _sequence_attention(q, k, v, mask, scale)
+    sdpa_error = (sdpa.double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= max(2 * sdpa_error, 1e-3)
+    # The bfloat16 output is the float32 one, rounded.
+    rounded, no_lse = amx_prefill.attend(q, k, v, causal, scale)
+    assert no_lse is None and torch.equal(rounded, got.to(torch.bfloat16))
+
+
+def test_the_kernel_reads_strided_rows_and_declines_what_it_does_not_fit():
+    """V as a view of a fused QKV projection (rows spaced by q + k + v); float32, a head size
+    not a multiple of 32 and more queries than keys for a causal chunk return None."""
+    q, k, _ = inputs(40, 40, 9, 3, 64, seed=1)
+    qkv = torch.randn(40, (9 + 6) * 64).to(torch.bfloat16)
+    v = qkv[:, 12 * 64 :].view(40, 3, 64)
+    assert v.stride(0) == 15 * 64
+    got, _ = amx_prefill.attend(q, k, v, True, 0.125)
+    torch.testing.assert_close(got, amx_prefill.attend(q, k, v.contiguous(), True, 0.125)[0],
+                               rtol=0, atol=0)  # fmt: skip
+    assert amx_prefill.attend(q.float(), k.float(), v.float(), True, 0.125) is None
+    q48, k48, v48 = inputs(8, 8, 2, 1, 48)
+    assert amx_prefill.attend(q48, k48, v48, True, 0.125) is None
+    assert amx_prefill.attend(q, k[:10], v[:10], True, 0.125) is None
