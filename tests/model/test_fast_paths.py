@@ -126,3 +126,34 @@ def test_rows_padded_once_per_step_give_the_same_logprobs(tiny_dir):
     padded = _logprobs_and_tokens(llm)
     model.pads_rows = False
     assert _logprobs_and_tokens(llm) == padded
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
+def test_small_batches_through_the_amx_kernel_give_onednn_values():
+    """Up to AMX_MAX_ROWS rows, a bf16 PackedLinear runs csrc/linear_amx.c over oneDNN's packed
+    weight: the same values as oneDNN's own call (but for rare last-bit roundings of a
+    different summation order), with and without bias, columns not a multiple of 32."""
+    from kvserve.models.packed_linear import AMX_MAX_ROWS, amx_rows_for
+
+    torch.manual_seed(0)
+    for out_features, in_features in [(96, 64), (40, 64), (960, 576)]:
+        weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+        bias = torch.randn(out_features).to(torch.bfloat16)
+        for b in (None, bias):
+            layer = PackedLinear(weight, b)
+            if layer.amx_rows == 0:
+                pytest.skip("no AMX kernel on this CPU")
+            assert layer.amx_rows == AMX_MAX_ROWS
+            for rows in (1, 16, 33, AMX_MAX_ROWS):
+                x = torch.randn(rows, in_features).to(torch.bfloat16)
+                got = layer(x)
+                layer.amx_rows = 0
+                want = layer(x)  # oneDNN
+                layer.amx_rows = AMX_MAX_ROWS
+                assert got.shape == want.shape == (rows, out_features)
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+                assert (got != want).float().mean().item() < 1e-3
+    odd = torch.randn(8, 48).to(torch.bfloat16)  # 48 inputs: not a multiple of 32
+    assert amx_rows_for(odd, torch.ops.mkldnn._reorder_linear_weight(odd, None), None) == 0
+    half = torch.randn(8, 64).to(torch.float16)
+    assert amx_rows_for(half, torch.ops.mkldnn._reorder_linear_weight(half, None), None) == 0

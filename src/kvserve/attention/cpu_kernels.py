@@ -45,6 +45,7 @@ _SOURCES = tuple(
         "argmax_rows.c",
         "silu_mul.c",
         "prefill_amx.c",
+        "linear_amx.c",
     )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.

@@ -10,8 +10,10 @@ packed op returns the same values as `F.linear` (checked in tests/model/test_fas
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,6 +21,9 @@ from torch import nn
 logger = logging.getLogger("kvserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# Up to this many rows (a decode step's), bfloat16 projections go through csrc/linear_amx.c,
+# which streams oneDNN's packed weight faster than oneDNN does at these sizes (see there).
+AMX_MAX_ROWS = 64
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,26 +66,61 @@ def padded_rows(num_rows: int) -> int:
 # call of the 121 per decode step), more than a third of the matrix product at decode shapes.
 _LIBRARY = torch.library.Library("kvserve", "FRAGMENT")
 _LIBRARY.define(
-    "packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor"
+    "packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
+    "int amx_rows) -> Tensor"
 )
 
 
 def _packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    amx_rows: int,
 ) -> torch.Tensor:
-    """x [..., in] -> [..., out] through oneDNN with a prepacked weight, on a bucketed row
-    count."""
+    """x [..., in] -> [..., out] with a prepacked weight, on a bucketed row count: through
+    the AMX kernel up to `amx_rows` rows (0: never), oneDNN otherwise."""
     if x.dim() == 2 and padded_rows(x.shape[0]) == x.shape[0]:
         # The model's layers, which pad a step's rows once (LlamaForCausalLM._padded): the
         # call as it is, without the reshapes and slice around it (~4 us of 27 a call).
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+        return _linear_rows(x, packed_weight, bias, out_features, amx_rows)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     padded = padded_rows(num_rows)
     if padded != num_rows:
         rows = _pad_rows(rows, padded)
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+    out = _linear_rows(rows, packed_weight, bias, out_features, amx_rows)
     return out[:num_rows].reshape(*x.shape[:-1], out_features)
+
+
+def _linear_rows(
+    rows: torch.Tensor,  # [M, in], M bucketed (a multiple of 16 up to 256)
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    amx_rows: int,
+) -> torch.Tensor:
+    if rows.shape[0] <= amx_rows and rows.stride(1) == 1:
+        out = _amx_linear(rows, packed_weight, bias, out_features)
+        if out is not None:
+            return out
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+
+
+def _amx_linear(
+    rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor | None:
+    """csrc/linear_amx.c over oneDNN's packed weight, or None where it declines."""
+    kernel = _amx_kernel()
+    if kernel is None:
+        return None
+    out = rows.new_empty((rows.shape[0], out_features))
+    failed = kernel(
+        rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+        rows.shape[0], out_features, rows.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else out
 
 
 def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
@@ -93,13 +133,51 @@ def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _amx_kernel() -> Callable[..., int] | None:
+    from kvserve.attention.cpu_kernels import kernels_or_none
+
+    kernels = kernels_or_none()
+    if kernels is None:
+        return None
+    kernel = kernels.linear_bf16_amx
+    kernel.restype = ctypes.c_int
+    kernel.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+    ]  # fmt: skip
+    return kernel
+
+
+def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Up to how many rows this packed weight goes through the AMX kernel: AMX_MAX_ROWS where
+    the kernel runs and reads oneDNN's layout of this weight correctly (checked on 16 random
+    rows against oneDNN itself: another oneDNN version or CPU may pack differently), else 0."""
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or _amx_kernel() is None:
+        return 0
+    rows = torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    rows = rows.to(torch.bfloat16)
+    try:
+        got = _amx_linear(rows, packed, bias, weight.shape[0])
+    except RuntimeError:  # no oneDNN data pointer for this tensor
+        return 0
+    want = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    if got is None or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        return 0
+    return AMX_MAX_ROWS
+
+
 for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one
     _LIBRARY.impl("packed_linear", _packed_linear, _key)
 
 
 @torch.library.register_fake("kvserve::packed_linear")
 def _(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    amx_rows: int,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -117,9 +195,10 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.amx_rows = amx_rows_for(weight, packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.amx_rows)
 
 
 def pack_linear_layers(model: nn.Module) -> int:
