@@ -94,3 +94,28 @@ def test_the_kernel_reads_strided_rows_and_declines_what_it_does_not_fit():
     q48, k48, v48 = inputs(8, 8, 2, 1, 48)
     assert amx_prefill.attend(q48, k48, v48, True, 0.125) is None
     assert amx_prefill.attend(q, k[:10], v[:10], True, 0.125) is None
+
+
+def test_the_amx_kernels_and_torchs_own_amx_calls_interleave():
+    """SDPA's flash kernel and oneDNN also run on AMX tiles, in the same threads, and may keep
+    a tile configuration between calls; the kvserve kernels configure and release theirs.
+    Interleaved in a random order, every call gives the same bits as its first one."""
+    import random
+
+    from kvserve.models.packed_linear import PackedLinear
+
+    torch.manual_seed(0)
+    q, k, _ = inputs(256, 256, 9, 3, 64, seed=2)
+    layer = PackedLinear((torch.randn(960, 576) * 0.05).to(torch.bfloat16), None)
+    rows16, rows512 = (torch.randn(n, 576).to(torch.bfloat16) for n in (16, 512))
+    calls = {
+        "sdpa flash": lambda: _sequence_attention(q, k, k, None, 0.125),
+        "amx attention": lambda: amx_prefill.attend(q, k, k, True, 0.125)[0],
+        "amx linear (16 rows)": lambda: layer(rows16),
+        "onednn linear (512 rows)": lambda: layer(rows512),
+    }
+    first = {name: call() for name, call in calls.items()}
+    rng = random.Random(0)
+    for _ in range(400):
+        name = rng.choice(list(calls))
+        assert torch.equal(calls[name](), first[name]), name
