@@ -21,20 +21,14 @@ import torch
 
 @functools.cache
 def _kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernels_or_none
+    from kvserve.attention.cpu_kernels import kernel_function
 
-    kernels = kernels_or_none()
-    if kernels is None:
-        return None
-    kernel = kernels.prefill_attention_bf16
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int,
-    ]  # fmt: skip
-    return kernel
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    return kernel_function(
+        "prefill_attention_bf16",
+        [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, ctypes.c_float, i32, ptr, ptr,
+         ptr, i32],
+    )  # fmt: skip
 
 
 def _fits(x: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 # Imported for its side effect: torch loads its OpenMP runtime (libgomp.so.1) before the
@@ -49,7 +50,7 @@ _SOURCES = tuple(
     )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.
-_HEADERS = (Path(__file__).parent / "csrc" / "vec_exp.h",)
+_HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec_exp.h", "amx_tiles.h"))
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
     # Let the dot products vectorize (reassociation) without -ffast-math's process-wide
@@ -256,3 +257,15 @@ def kernels_or_none() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built here (why is logged once): for
     the callers that fall back to torch (K/V stores, the greedy argmax)."""
     return load_paged_decode() if paged_decode_available() else None
+
+
+def kernel_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """The library's function `name`, with its C argument types and an int result, or None
+    where the library cannot be built here."""
+    kernels = kernels_or_none()
+    if kernels is None:
+        return None
+    function = getattr(kernels, name)
+    function.restype = ctypes.c_int
+    function.argtypes = argtypes
+    return function

@@ -135,18 +135,12 @@ def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
 
 @functools.cache
 def _amx_kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernels_or_none
+    from kvserve.attention.cpu_kernels import kernel_function
 
-    kernels = kernels_or_none()
-    if kernels is None:
-        return None
-    kernel = kernels.linear_bf16_amx
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-    ]  # fmt: skip
-    return kernel
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function(
+        "linear_bf16_amx", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    )
 
 
 def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:

@@ -25,34 +25,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} linear_tile_config;
-
-static int linear_amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
-static void linear_configure_tiles(void) {
-    linear_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+#include "amx_tiles.h"
 
 /* Measured at 16-64 rows: 4 k-steps ahead (8 KB) gained up to 8% at 32 rows; 8 or more lost. */
 #define PREFETCH_AHEAD 4
@@ -99,12 +72,12 @@ static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *bl
 int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                     const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
                     int64_t k, int num_threads) {
-    if (!linear_amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
+    if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
     const int64_t blocks = (n + 31) / 32;
     #pragma omp parallel num_threads(num_threads)
     {
         float acc[32 * 32];
-        linear_configure_tiles();
+        amx_configure_tiles();
         #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < blocks; nb++) {
             const uint16_t *block = weight + nb * (k / 2) * 64;

@@ -30,41 +30,11 @@
     defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
 #include <math.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "vec_exp.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define TILE_WORDS 256 /* 16 rows x 64 bytes, as uint32 */
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands AMX's tile state to a process only when asked (once; idempotent). */
-static int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 accumulators. */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* K of one KV head as the B operand of Q x K^T: per block of 16 keys and 32 dimensions, a
  * tile whose row r holds dimensions (2r, 2r + 1) of each of the 16 keys (VNNI pairs): the
@@ -185,8 +155,8 @@ static void row_softmax(block_work *w, int m, int64_t limit, int64_t padded, int
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t j = 0; j < padded; j += 32) { /* padded: a multiple of 32 */
         __mmask16 l0 = live_lanes(j, limit), l1 = live_lanes(j + 16, limit);
-        __m512 e0 = _mm512_maskz_mov_ps(l0, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l0, s + j), vscale, vmx)));
-        __m512 e1 = _mm512_maskz_mov_ps(l1, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l1, s + j + 16), vscale, vmx)));
+        __m512 e0 = _mm512_maskz_mov_ps(l0, exp16_scalef(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l0, s + j), vscale, vmx)));
+        __m512 e1 = _mm512_maskz_mov_ps(l1, exp16_scalef(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l1, s + j + 16), vscale, vmx)));
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -314,7 +284,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             w.probs = (uint16_t *)(w.scores + 16 * (padded + 16));
             w.obuf = (float *)(w.probs + 16 * (padded + 16));
             w.qbuf = (uint16_t *)(w.obuf + 16 * dim);
-            configure_tiles();
+            amx_configure_tiles();
         }
         /* The last query blocks see the most keys: hand them out first. */
         #pragma omp for schedule(dynamic, 1)
