@@ -10,11 +10,14 @@ Float32 models keep torch's expression, and with it their exact parity with tran
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.models.packed_linear import pad_rows, padded_rows
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -73,3 +76,53 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 fused_silu_mul = torch.ops.kvserve.silu_mul.default
+
+
+# SiLU x up fused into the gate_up projection itself for a decode step's few rows (csrc/
+# linear_amx.c, silu_gate_up_bf16_amx): each thread multiplies the gate and up blocks it
+# computed, so no [rows, 2 x features] tensor is written and read back across the cores.
+_LIBRARY.define(
+    "packed_silu_gate_up(Tensor x, Tensor packed_weight, int features, int amx_rows) -> Tensor"
+)
+
+
+@functools.cache
+def _gate_up_kernel() -> Callable[..., int] | None:
+    from kvserve.attention.cpu_kernels import kernel_function
+
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return kernel_function(
+        "silu_gate_up_bf16_amx", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    )
+
+
+def _packed_silu_gate_up(
+    x: torch.Tensor, packed_weight: torch.Tensor, features: int, amx_rows: int
+) -> torch.Tensor:
+    """SiLU(x Wg^T) x (x Wu^T) for a packed gate_up weight [Wg; Wu]: up to `amx_rows` rows in
+    one AMX kernel call, else oneDNN's projection and the SiLU kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows, padded = rows.shape[0], padded_rows(rows.shape[0])
+    if padded != num_rows:
+        rows = pad_rows(rows, padded)
+    kernel = _gate_up_kernel() if padded <= amx_rows and rows.stride(1) == 1 else None
+    out = rows.new_empty((padded, features))
+    if kernel is None or kernel(
+        rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
+        out.data_ptr(), features, padded, features, rows.shape[1], torch.get_num_threads(),
+    ):  # fmt: skip
+        gate_up = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, None, "none", [], "")
+        out = _silu_mul(gate_up)
+    return out[:num_rows].reshape(*x.shape[:-1], features)
+
+
+for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one
+    _LIBRARY.impl("packed_silu_gate_up", _packed_silu_gate_up, _key)
+
+
+@torch.library.register_fake("kvserve::packed_silu_gate_up")
+def _(x: torch.Tensor, packed_weight: torch.Tensor, features: int, amx_rows: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], features))
+
+
+packed_silu_gate_up = torch.ops.kvserve.packed_silu_gate_up.default

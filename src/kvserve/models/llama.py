@@ -20,7 +20,12 @@ from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
-from kvserve.models.fused_mlp import fused_silu_available, fused_silu_mul, silu_and_mul
+from kvserve.models.fused_mlp import (
+    fused_silu_available,
+    fused_silu_mul,
+    packed_silu_gate_up,
+    silu_and_mul,
+)
 from kvserve.models.packed_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
 
 
@@ -96,8 +101,15 @@ def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
     if attn.shape[0] != hidden.shape[0]:
         attn = F.pad(attn, (0, 0, 0, hidden.shape[0] - attn.shape[0]))
     hidden = hidden + layer.o_proj(attn)
-    gate_up = layer.gate_up_proj(layer.post_attention_layernorm(hidden))
-    activated = fused_silu_mul(gate_up) if layer.fused_silu else silu_and_mul(gate_up)
+    normed = layer.post_attention_layernorm(hidden)
+    projection = layer.gate_up_proj
+    if layer.fused_silu and isinstance(projection, PackedLinear) and projection.bias is None:
+        activated = packed_silu_gate_up(
+            normed, projection.packed_weight, projection.out_features // 2, projection.amx_rows
+        )
+    else:
+        gate_up = projection(normed)
+        activated = fused_silu_mul(gate_up) if layer.fused_silu else silu_and_mul(gate_up)
     return hidden + layer.down_proj(activated)
 
 

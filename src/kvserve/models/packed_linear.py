@@ -88,7 +88,7 @@ def _packed_linear(
     num_rows = rows.shape[0]
     padded = padded_rows(num_rows)
     if padded != num_rows:
-        rows = _pad_rows(rows, padded)
+        rows = pad_rows(rows, padded)
     out = _linear_rows(rows, packed_weight, bias, out_features, amx_rows)
     return out[:num_rows].reshape(*x.shape[:-1], out_features)
 
@@ -123,7 +123,7 @@ def _amx_linear(
     return None if failed else out
 
 
-def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+def pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     """rows [n, k] followed by zero rows, [padded, k].  Only the added rows are zeroed:
     F.pad zeroes the whole new tensor before copying the rows over it, which cost as much as
     the copy (~0.25 ms a call at 2,048 x 1,536, four calls a layer in a prefill step)."""

@@ -26,6 +26,7 @@
     defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include "amx_tiles.h"
+#include "vec_exp.h"
 
 /* Measured at 16-64 rows: 4 k-steps ahead (8 KB) gained up to 8% at 32 rows; 8 or more lost. */
 #define PREFETCH_AHEAD 4
@@ -103,7 +104,50 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
     }
     return 0;
 }
+/* SiLU(x Wg^T) x (x Wu^T) where `weight` is the packed gate_up projection, [Wg; Wu] (2 x
+ * features rows): each thread computes a gate block and its up block (j and j + features /
+ * 32) and writes their product, [M, features].  The separate SiLU pass read a gate_up output
+ * that the two threads had written in halves (gate by one, up by the other), and ran 2x
+ * slower right after the projection than on the same tensor warm (71 against 36 us at 64
+ * rows x 3,072). */
+int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                          int64_t k, int num_threads) {
+    if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
+    const int64_t pairs = features / 32;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float gate[32 * 32], up[32 * 32];
+        amx_configure_tiles();
+        #pragma omp for schedule(static)
+        for (int64_t j = 0; j < pairs; j++) {
+            for (int64_t r0 = 0; r0 < m; r0 += 32) {
+                const int row_tiles = m - r0 >= 32 ? 2 : 1;
+                const uint16_t *rows = x + r0 * x_stride;
+                column_block(rows, x_stride, weight + j * (k / 2) * 64, k, row_tiles, gate);
+                column_block(rows, x_stride, weight + (j + pairs) * (k / 2) * 64, k, row_tiles, up);
+                for (int r = 0; r < 16 * row_tiles; r++) {
+                    __m512 lo = silu_times16(_mm512_loadu_ps(gate + r * 32), _mm512_loadu_ps(up + r * 32));
+                    __m512 hi = silu_times16(_mm512_loadu_ps(gate + r * 32 + 16),
+                                             _mm512_loadu_ps(up + r * 32 + 16));
+                    _mm512_storeu_si512((void *)(out + (r0 + r) * out_stride + j * 32),
+                                        (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
 #else
+int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                          int64_t k, int num_threads) {
+    (void)x, (void)x_stride, (void)weight, (void)out, (void)out_stride;
+    (void)m, (void)features, (void)k, (void)num_threads;
+    return 1;
+}
+
 int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                     const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
                     int64_t k, int num_threads) {

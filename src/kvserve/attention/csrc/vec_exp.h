@@ -65,6 +65,24 @@ static inline __m512 exp16_scalef(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
 }
+
+/* SiLU(g) x u, the SiLU kernel's arithmetic (silu_mul.c, and linear_amx.c's fused gate and up
+ * projections): exp16 of -g clamped to [-87, 88], 1 / (1 + e) as a reciprocal estimate
+ * refined by one Newton step.  Below -88, SiLU is under 1e-36 in magnitude (torch: g / inf =
+ * -0), but the clamped exp would give g * e^-88: the product is made zero.  NaNs compare
+ * false and stay NaN. */
+static inline __m512 silu_times16(__m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = exp16(_mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                                 _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(88.0f)));
+    __m512 d = _mm512_add_ps(one, e);
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f))); /* Newton */
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.0f), _CMP_LT_OQ),
+                              _mm512_setzero_ps());
+}
 #endif
 #endif
 #endif
