@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.models.packed_linear import pad_rows, padded_rows
+from kvserve.models.packed_linear import on_bucketed_rows
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -101,19 +101,21 @@ def _packed_silu_gate_up(
 ) -> torch.Tensor:
     """SiLU(x Wg^T) x (x Wu^T) for a packed gate_up weight [Wg; Wu]: up to `amx_rows` rows in
     one AMX kernel call, else oneDNN's projection and the SiLU kernel."""
-    rows = x.reshape(-1, x.shape[-1])
-    num_rows, padded = rows.shape[0], padded_rows(rows.shape[0])
-    if padded != num_rows:
-        rows = pad_rows(rows, padded)
-    kernel = _gate_up_kernel() if padded <= amx_rows and rows.stride(1) == 1 else None
-    out = rows.new_empty((padded, features))
-    if kernel is None or kernel(
-        rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
-        out.data_ptr(), features, padded, features, rows.shape[1], torch.get_num_threads(),
-    ):  # fmt: skip
+
+    def compute(rows: torch.Tensor) -> torch.Tensor:  # [M, in], M bucketed
+        kernel = _gate_up_kernel() if rows.shape[0] <= amx_rows and rows.stride(1) == 1 else None
+        if kernel is not None:
+            out = rows.new_empty((rows.shape[0], features))
+            if not kernel(
+                rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
+                out.data_ptr(), features, rows.shape[0], features, rows.shape[1],
+                torch.get_num_threads(),
+            ):  # fmt: skip
+                return out
         gate_up = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, None, "none", [], "")
-        out = _silu_mul(gate_up)
-    return out[:num_rows].reshape(*x.shape[:-1], features)
+        return _silu_mul(gate_up)
+
+    return on_bucketed_rows(x, compute, features)
 
 
 for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one

@@ -80,17 +80,27 @@ def _packed_linear(
 ) -> torch.Tensor:
     """x [..., in] -> [..., out] with a prepacked weight, on a bucketed row count: through
     the AMX kernel up to `amx_rows` rows (0: never), oneDNN otherwise."""
+    return on_bucketed_rows(
+        x, lambda rows: _linear_rows(rows, packed_weight, bias, out_features, amx_rows),
+        out_features,
+    )  # fmt: skip
+
+
+def on_bucketed_rows(
+    x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], out_features: int
+) -> torch.Tensor:
+    """compute(rows) for x [..., in] -> [..., out_features], where rows [M, in] has a bucketed
+    row count (padded_rows): x itself when it already is such rows, as the model's layers
+    pass them (LlamaForCausalLM._padded; no reshapes or slice around the call, ~4 us of 27),
+    else x flattened, padded with zero rows, and the padding's outputs dropped."""
     if x.dim() == 2 and padded_rows(x.shape[0]) == x.shape[0]:
-        # The model's layers, which pad a step's rows once (LlamaForCausalLM._padded): the
-        # call as it is, without the reshapes and slice around it (~4 us of 27 a call).
-        return _linear_rows(x, packed_weight, bias, out_features, amx_rows)
+        return compute(x)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     padded = padded_rows(num_rows)
     if padded != num_rows:
-        rows = pad_rows(rows, padded)
-    out = _linear_rows(rows, packed_weight, bias, out_features, amx_rows)
-    return out[:num_rows].reshape(*x.shape[:-1], out_features)
+        rows = _pad_rows(rows, padded)
+    return compute(rows)[:num_rows].reshape(*x.shape[:-1], out_features)
 
 
 def _linear_rows(
@@ -123,7 +133,7 @@ def _amx_linear(
     return None if failed else out
 
 
-def pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
     """rows [n, k] followed by zero rows, [padded, k].  Only the added rows are zeroed:
     F.pad zeroes the whole new tensor before copying the rows over it, which cost as much as
     the copy (~0.25 ms a call at 2,048 x 1,536, four calls a layer in a prefill step)."""
