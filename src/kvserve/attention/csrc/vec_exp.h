@@ -27,22 +27,30 @@ static inline __m256 exp8(__m256 x) {
 }
 
 #if defined(__AVX512F__)
-/* exp8's operations on 16 lanes, the same values lane for lane.  (Computing it as two exp8
- * halves, as the decode kernel did, made the SiLU kernel 1.46x slower.) */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f),
-                                                    _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+/* exp8's reduction on 16 lanes: x = n ln2 + r with |r| <= ln2/2; returns r, n in *n. */
+static inline __m512 exp_reduce16(__m512 x, __m512 *n) {
+    *n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+                              _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(*n, _mm512_set1_ps(0.693359375f), x);
+    return _mm512_fnmadd_ps(*n, _mm512_set1_ps(-2.12194440e-4f), r);
+}
+
+/* exp(r) from y, the polynomial's value after its r^5 coefficient (exp16 folds in one more
+ * term before it): y r^4 + ... + r^2 / 2 + r + 1, exp8's operations on 16 lanes. */
+static inline __m512 exp_poly16(__m512 y, __m512 r) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+}
+
+/* exp8's operations on 16 lanes, the same values lane for lane.  (Computing it as two exp8
+ * halves, as the decode kernel did, made the SiLU kernel 1.46x slower.) */
+static inline __m512 exp16(__m512 x) {
+    __m512 n, r = exp_reduce16(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), &n);
+    __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+    y = exp_poly16(y, r);
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
@@ -52,18 +60,8 @@ static inline __m512 exp16(__m512 x) {
  * applied by vscalefps, which also takes any x below -87 smoothly to 0: 11 instructions
  * against exp16's 17, in a softmax that is bound by them. */
 static inline __m512 exp16_scalef(__m512 x) {
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.3981999507e-3f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
+    __m512 n, r = exp_reduce16(x, &n);
+    return _mm512_scalef_ps(exp_poly16(_mm512_set1_ps(1.3981999507e-3f), r), n);
 }
 
 /* SiLU(g) x u, the SiLU kernel's arithmetic (silu_mul.c, and linear_amx.c's fused gate and up
