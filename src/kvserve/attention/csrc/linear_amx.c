@@ -104,6 +104,7 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
     }
     return 0;
 }
+
 /* SiLU(x Wg^T) x (x Wu^T) where `weight` is the packed gate_up projection, [Wg; Wu] (2 x
  * features rows): each thread computes a gate block and its up block (j and j + features /
  * 32) and writes their product, [M, features].  The separate SiLU pass read a gate_up output
