@@ -45,7 +45,7 @@ _SOURCES = tuple(
         "omp_affinity.c",
         "argmax_rows.c",
         "silu_mul.c",
-        "prefill_amx.c",
+        "prefill_bf16.c",
         "linear_amx.c",
     )
 )

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.attention import amx_prefill, shared_prefix
+from kvserve.attention import bf16_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
@@ -124,7 +124,7 @@ class CpuPagedBackend(TorchRefBackend):
     def __init__(self) -> None:
         self._kernel = load_paged_decode().paged_decode_attention
         self._luts = {name: fp8_lookup_table(name) for name in quant.FP8_TORCH_DTYPES}
-        self._amx = amx_prefill.amx_prefill_available()
+        self._bf16_prefill = bf16_prefill.prefill_kernel_available()
 
     def forward(
         self,
@@ -224,8 +224,8 @@ class CpuPagedBackend(TorchRefBackend):
         keeps the model's dtype; a quantized cache (whose stored values the reference
         attends) takes the reference's path."""
         num_context = span.seq_len - query.shape[0]
-        if self._amx and query.dtype == torch.bfloat16:
-            out = self._amx_prefill(query, key, value, kv_cache, span, scale)
+        if self._bf16_prefill and query.dtype == torch.bfloat16:
+            out = self._kernel_prefill(query, key, value, kv_cache, span, scale)
             if out is not None:
                 return out
         if num_context == 0 or not _cache_keeps_as_computed(key, value, kv_cache):
@@ -240,7 +240,7 @@ class CpuPagedBackend(TorchRefBackend):
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
 
     @staticmethod
-    def _amx_prefill(
+    def _kernel_prefill(
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -248,7 +248,7 @@ class CpuPagedBackend(TorchRefBackend):
         span: PrefillSpan,
         scale: float,
     ) -> torch.Tensor | None:
-        """A bfloat16 chunk through the AMX kernel (amx_prefill.py), in one call: a fresh
+        """A bfloat16 chunk through the C kernel (bf16_prefill.py), in one call: a fresh
         prompt over its own K/V, a chunk after context over its whole sequence as the cache
         holds it (the step's rows were stored before attention, so this is what the
         reference attends, quantized or not).  None where the kernel does not apply."""
@@ -257,7 +257,7 @@ class CpuPagedBackend(TorchRefBackend):
         else:
             keys, values = kv_cache.gather(span.block_table, query.dtype)
             keys, values = keys[: span.seq_len], values[: span.seq_len]
-        result = amx_prefill.attend(query, keys, values, True, scale)
+        result = bf16_prefill.attend(query, keys, values, True, scale)
         return None if result is None else result[0]
 
     def _decode(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.attention import amx_prefill
+from kvserve.attention import bf16_prefill
 from kvserve.attention.torch_ref import group_queries, grouped_kv, ungroup
 
 # Below this many shared tokens, or this few sequences, the split is not worth its extra
@@ -35,10 +35,10 @@ def attention_with_lse(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and each (token, head)'s log-sum-exp of its scaled scores: ([L, H, D] in the
-    query's dtype, or float32 from the AMX kernel, which serves the unmasked bfloat16 case;
-    [L, H] float32)."""
+    query's dtype, or float32 from the C kernel (bf16_prefill.py), which serves the
+    unmasked bfloat16 case; [L, H] float32)."""
     if mask is None:
-        result = amx_prefill.attend(query, keys, values, False, scale, with_lse=True)
+        result = bf16_prefill.attend(query, keys, values, False, scale, with_lse=True)
         if result is not None:
             return result  # type: ignore[return-value]
     out, lse = batched_attention_with_lse(query[None], keys[None], values[None], mask, scale)

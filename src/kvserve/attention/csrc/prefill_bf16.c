@@ -1,10 +1,12 @@
 /*
- * A prefill chunk's attention in bfloat16 on AMX tiles (CPUs with AMX-BF16).
+ * A prefill chunk's attention in bfloat16, on AMX tiles where the CPU has them, else with
+ * AVX512-BF16 dot products (vdpbf16ps).
  *
  * PyTorch's CPU flash kernel ran a 256-token causal prompt of the embedded model (9 heads of
- * 64) at ~240 GFLOP/s on two cores, 373 us a layer, of which the exponentials are ~30 us:
- * its matrix products, not its softmax, held it back.  Here both products run on AMX tiles,
- * and the softmax is exact and in two passes per block of 16 query rows (as in
+ * 64) at ~240 GFLOP/s on two AMX cores, 373 us a layer, of which the exponentials are ~30 us:
+ * its matrix products, not its softmax, held it back.  On an AVX512-BF16 CPU without AMX
+ * (AMD Zen 4/5) the same call took ~1.1 ms.  Here both products run on AMX tiles or on
+ * vdpbf16ps, and the softmax is exact and in two passes per block of 16 query rows (as in
  * paged_decode.c): every score of the block first (16 x keys floats, in L2), then one max,
  * exp and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
  * kernel rounds them.  No running maxima, no rescaling.
@@ -15,24 +17,30 @@
  *          else every key
  *   out    [L, H, D] contiguous: bf16 (out_bf16) or float32 (out_f32), one of the two
  *   lse    [L, H] float32, or NULL: each row's log-sum-exp of its scaled scores
+ *   engine 0: AMX where permitted, else vdpbf16ps; 1: vdpbf16ps (tests compare the two)
  *
  * D: a multiple of 32, at most 256.  GQA: query head h reads KV head h / (H / Hkv); K and V
- * are packed once per call per KV head into the tiles' layouts (below) and shared by the
- * group.  Returns 0, 1 where this build or CPU has no AMX (the caller keeps SDPA), or 2 when
- * out of memory.
+ * are packed once per call per KV head into the tiles' layouts (below), which are also the
+ * layouts vdpbf16ps reads (a tile row is one vector), and shared by the group.  Returns 0, 1
+ * where this build or CPU has no AVX512-BF16 (the caller keeps SDPA), or 2 when out of
+ * memory.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <math.h>
 
-#include "amx_tiles.h"
 #include "vec_exp.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PREFILL_HAS_AMX 1
+#include "amx_tiles.h"
+#else
+#define PREFILL_HAS_AMX 0
+#endif
 
 #define TILE_WORDS 256 /* 16 rows x 64 bytes, as uint32 */
 
@@ -78,7 +86,7 @@ static void pack_values(const uint16_t *v, int64_t v_stride, int64_t num_keys, i
 typedef struct {
     const uint16_t *q;
     int64_t q_stride, num_query, num_keys;
-    int num_heads, group, dim, causal;
+    int num_heads, group, dim, causal, use_amx;
     float scale;
     const uint32_t *keys, *values; /* packed, per KV head */
     int64_t keys_per_head, values_per_head;
@@ -94,6 +102,7 @@ typedef struct {
     float row_max[16], row_sum[16];
 } block_work;
 
+#if PREFILL_HAS_AMX
 /* Scores of 16 query rows against keys [0, 16 * blocks): Q x K^T, four key blocks at a time
  * into four accumulators (one at a time waited on each product's latency). */
 #define SCORE_STEP(acc, b_tile, block)                                                        \
@@ -102,7 +111,7 @@ typedef struct {
         _tile_dpbf16ps(acc, 0, b_tile);                                                       \
     } while (0)
 
-static void block_scores(const prefill_args *a, const uint32_t *keys, block_work *w,
+static void block_scores_amx(const prefill_args *a, const uint32_t *keys, block_work *w,
                          int64_t blocks, int64_t stride) {
     const int halves = a->dim / 32;
     int64_t b = 0;
@@ -130,6 +139,115 @@ static void block_scores(const prefill_args *a, const uint32_t *keys, block_work
             SCORE_STEP(4, 2, b);
         }
         _tile_stored(4, w->scores + b * 16, stride * 4);
+    }
+}
+
+/* O = P x V for the block's 16 rows, four 16-dimension tiles at a time. */
+static void block_output_amx(const prefill_args *a, const uint32_t *values, block_work *w,
+                         int64_t pairs_blocks, int64_t stride) {
+    const int dim_blocks = a->dim / 16;
+    for (int dg = 0; dg < dim_blocks; dg += 4) {
+        const int nd = dim_blocks - dg < 4 ? dim_blocks - dg : 4;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t b = 0; b < pairs_blocks; b++) {
+            const uint32_t *vt = values + (b * dim_blocks + dg) * TILE_WORDS;
+            _tile_loadd(1, w->probs + b * 32, stride * 2);
+            _tile_loadd(2, vt, 64);
+            _tile_dpbf16ps(4, 1, 2);
+            if (nd > 1) {
+                _tile_loadd(3, vt + TILE_WORDS, 64);
+                _tile_dpbf16ps(5, 1, 3);
+            }
+            if (nd > 2) {
+                _tile_loadd(2, vt + 2 * TILE_WORDS, 64);
+                _tile_dpbf16ps(6, 1, 2);
+            }
+            if (nd > 3) {
+                _tile_loadd(3, vt + 3 * TILE_WORDS, 64);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        float *o = w->obuf + dg * 16;
+        _tile_stored(4, o, a->dim * 4);
+        if (nd > 1) _tile_stored(5, o + 16, a->dim * 4);
+        if (nd > 2) _tile_stored(6, o + 32, a->dim * 4);
+        if (nd > 3) _tile_stored(7, o + 48, a->dim * 4);
+    }
+}
+#endif
+
+/* The same two products with vdpbf16ps, for CPUs without AMX.  A vector is one tile row:
+ * 16 keys' dimension pair (Q x K^T), or 16 dimensions' key pair (P x V); the other operand's
+ * pair is broadcast.  Four query rows by four vectors of accumulators (16 registers) hide the
+ * instruction's latency and read each loaded vector four times. */
+static inline __attribute__((always_inline)) void scores_4rows(
+    const uint32_t *q, int pairs, const uint32_t *keys, int64_t block_words, float *s,
+    int64_t stride, const int nb) {
+    __m512 acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int b = 0; b < nb; b++) acc[m][b] = _mm512_setzero_ps();
+    for (int i = 0; i < pairs; i++) {
+        __m512bh k[4];
+        for (int b = 0; b < nb; b++) k[b] = (__m512bh)_mm512_loadu_si512(keys + b * block_words + i * 16);
+        for (int m = 0; m < 4; m++) {
+            const __m512bh qm = (__m512bh)_mm512_set1_epi32((int)q[m * pairs + i]);
+            for (int b = 0; b < nb; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], qm, k[b]);
+        }
+    }
+    for (int m = 0; m < 4; m++)
+        for (int b = 0; b < nb; b++) _mm512_storeu_ps(s + m * stride + b * 16, acc[m][b]);
+}
+
+static void block_scores_vec(const prefill_args *a, const uint32_t *keys, block_work *w,
+                             int rows, int64_t blocks, int64_t stride) {
+    const int pairs = a->dim / 2;
+    const int64_t block_words = (int64_t)(a->dim / 32) * TILE_WORDS; /* one block of 16 keys */
+    const uint32_t *q = (const uint32_t *)w->qbuf;
+    for (int m = 0; m < rows; m += 4) {
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4)
+            scores_4rows(q + m * pairs, pairs, keys + b * block_words, block_words,
+                         w->scores + m * stride + b * 16, stride, 4);
+        for (; b < blocks; b++)
+            scores_4rows(q + m * pairs, pairs, keys + b * block_words, block_words,
+                         w->scores + m * stride + b * 16, stride, 1);
+    }
+}
+
+static inline __attribute__((always_inline)) void output_4rows(
+    const uint32_t *p, int64_t p_stride, const uint32_t *values, int dim_blocks, int64_t pairs,
+    float *o, int dim, const int nd) {
+    __m512 acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int d = 0; d < nd; d++) acc[m][d] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        const uint32_t *row = values + ((j >> 4) * dim_blocks) * TILE_WORDS + (j & 15) * 16;
+        __m512bh v[4];
+        for (int d = 0; d < nd; d++) v[d] = (__m512bh)_mm512_loadu_si512(row + d * TILE_WORDS);
+        for (int m = 0; m < 4; m++) {
+            const __m512bh pm = (__m512bh)_mm512_set1_epi32((int)p[m * p_stride + j]);
+            for (int d = 0; d < nd; d++) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], pm, v[d]);
+        }
+    }
+    for (int m = 0; m < 4; m++)
+        for (int d = 0; d < nd; d++) _mm512_storeu_ps(o + m * dim + d * 16, acc[m][d]);
+}
+
+static void block_output_vec(const prefill_args *a, const uint32_t *values, block_work *w,
+                             int rows, int64_t pair_blocks, int64_t stride) {
+    const int dim_blocks = a->dim / 16; /* even: dim is a multiple of 32 */
+    const uint32_t *p = (const uint32_t *)w->probs;
+    for (int m = 0; m < rows; m += 4) {
+        int db = 0;
+        for (; db + 4 <= dim_blocks; db += 4)
+            output_4rows(p + m * stride / 2, stride / 2, values + db * TILE_WORDS, dim_blocks,
+                         pair_blocks * 16, w->obuf + m * a->dim + db * 16, a->dim, 4);
+        for (; db < dim_blocks; db += 2)
+            output_4rows(p + m * stride / 2, stride / 2, values + db * TILE_WORDS, dim_blocks,
+                         pair_blocks * 16, w->obuf + m * a->dim + db * 16, a->dim, 2);
     }
 }
 
@@ -165,42 +283,6 @@ static void row_softmax(block_work *w, int m, int64_t limit, int64_t padded, int
     w->row_sum[m] = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
-/* O = P x V for the block's 16 rows, four 16-dimension tiles at a time. */
-static void block_output(const prefill_args *a, const uint32_t *values, block_work *w,
-                         int64_t pairs_blocks, int64_t stride) {
-    const int dim_blocks = a->dim / 16;
-    for (int dg = 0; dg < dim_blocks; dg += 4) {
-        const int nd = dim_blocks - dg < 4 ? dim_blocks - dg : 4;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t b = 0; b < pairs_blocks; b++) {
-            const uint32_t *vt = values + (b * dim_blocks + dg) * TILE_WORDS;
-            _tile_loadd(1, w->probs + b * 32, stride * 2);
-            _tile_loadd(2, vt, 64);
-            _tile_dpbf16ps(4, 1, 2);
-            if (nd > 1) {
-                _tile_loadd(3, vt + TILE_WORDS, 64);
-                _tile_dpbf16ps(5, 1, 3);
-            }
-            if (nd > 2) {
-                _tile_loadd(2, vt + 2 * TILE_WORDS, 64);
-                _tile_dpbf16ps(6, 1, 2);
-            }
-            if (nd > 3) {
-                _tile_loadd(3, vt + 3 * TILE_WORDS, 64);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-        }
-        float *o = w->obuf + dg * 16;
-        _tile_stored(4, o, a->dim * 4);
-        if (nd > 1) _tile_stored(5, o + 16, a->dim * 4);
-        if (nd > 2) _tile_stored(6, o + 32, a->dim * 4);
-        if (nd > 3) _tile_stored(7, o + 48, a->dim * 4);
-    }
-}
-
 /* Query rows [16 qb, 16 qb + 16) of head h. */
 static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w) {
     const int64_t first = qb * 16, offset = a->num_keys - a->num_query;
@@ -217,7 +299,14 @@ static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w
         else
             memset(w->qbuf + m * dim, 0, dim * 2);
     }
-    block_scores(a, a->keys + kv_head * a->keys_per_head, w, (end + 15) / 16, stride);
+    const uint32_t *keys = a->keys + kv_head * a->keys_per_head;
+    const uint32_t *values = a->values + kv_head * a->values_per_head;
+#if PREFILL_HAS_AMX
+    if (a->use_amx)
+        block_scores_amx(a, keys, w, (end + 15) / 16, stride);
+    else
+#endif
+        block_scores_vec(a, keys, w, rows, (end + 15) / 16, stride);
     for (int m = 0; m < 16; m++) {
         if (m < rows) {
             int64_t limit = a->causal ? first + m + offset + 1 : a->num_keys;
@@ -226,7 +315,12 @@ static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w
             memset(w->probs + m * stride, 0, padded * 2);
         }
     }
-    block_output(a, a->values + kv_head * a->values_per_head, w, pair_blocks, stride);
+#if PREFILL_HAS_AMX
+    if (a->use_amx)
+        block_output_amx(a, values, w, pair_blocks, stride);
+    else
+#endif
+        block_output_vec(a, values, w, rows, pair_blocks, stride);
     for (int m = 0; m < rows; m++) {
         const int64_t row = (first + m) * a->num_heads + h;
         const __m512 inv = _mm512_set1_ps(1.0f / w->row_sum[m]);
@@ -246,13 +340,19 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t k_stride, const uint16_t *v, int64_t v_stride,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int num_threads) {
-    if (!amx_permitted() || dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 ||
+                           float *lse, int engine, int num_threads) {
+#if PREFILL_HAS_AMX
+    const int use_amx = engine == 0 && amx_permitted();
+#else
+    const int use_amx = 0;
+    (void)engine;
+#endif
+    if (dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 ||
         num_query < 1 || (causal && num_keys < num_query))
         return 1;
     const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
     prefill_args a = {q, q_stride, num_query, num_keys, num_heads, num_heads / num_kv_heads, dim,
-                      causal, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
+                      causal, use_amx, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
                       pair_blocks * (dim / 16) * TILE_WORDS, out_bf16, out_f32, lse};
     uint32_t *packed = aligned_alloc(64, (size_t)(a.keys_per_head + a.values_per_head) *
                                              num_kv_heads * sizeof(uint32_t));
@@ -284,14 +384,18 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             w.probs = (uint16_t *)(w.scores + 16 * (padded + 16));
             w.obuf = (float *)(w.probs + 16 * (padded + 16));
             w.qbuf = (uint16_t *)(w.obuf + 16 * dim);
-            amx_configure_tiles();
+#if PREFILL_HAS_AMX
+            if (use_amx) amx_configure_tiles();
+#endif
         }
         /* The last query blocks see the most keys: hand them out first. */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
             if (buffer)
                 attend_block(&a, (int)(item % num_heads), query_blocks - 1 - item / num_heads, &w);
-        if (buffer) _tile_release();
+#if PREFILL_HAS_AMX
+        if (buffer && use_amx) _tile_release();
+#endif
         free(buffer);
     }
     free(packed);
@@ -302,8 +406,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t k_stride, const uint16_t *v, int64_t v_stride,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int num_threads) {
-    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
+                           float *lse, int engine, int num_threads) {
+    (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
     (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
     (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
     return 1;

@@ -1,4 +1,5 @@
-"""The AMX prefill kernel (attention/amx_prefill.py) against attention in float64: causal
+"""The bf16 prefill kernel (attention/bf16_prefill.py), both its engines (AMX tiles where the
+CPU has them, AVX512-BF16 vectors everywhere it runs), against attention in float64: causal
 chunks that end their sequence, unmasked attention with log-sum-exps, GQA and head sizes
 32-128, lengths that are not multiples of the kernel's 16-row and 32-key blocks.  Its
 probabilities are rounded to bfloat16 before P x V, as SDPA's flash kernel rounds them: the
@@ -9,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import amx_prefill
+from kvserve.attention import bf16_prefill
 from kvserve.attention.torch_ref import _sequence_attention
 
 pytestmark = pytest.mark.skipif(
-    not amx_prefill.amx_prefill_available(), reason="no AMX-BF16 kernel on this CPU"
+    not bf16_prefill.prefill_kernel_available(), reason="no AVX512-BF16 kernel on this CPU"
 )
+ENGINES = {"best": bf16_prefill.BEST, "vectors": bf16_prefill.VECTORS}
 
 
 def reference(
@@ -54,14 +56,15 @@ CASES = [  # (L, S, H, Hkv, D, causal)
 ]
 
 
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
 @pytest.mark.parametrize(("num_query", "num_keys", "heads", "kv_heads", "dim", "causal"), CASES)
 def test_the_kernel_is_as_close_to_exact_attention_as_sdpa(
-    num_query, num_keys, heads, kv_heads, dim, causal
+    num_query, num_keys, heads, kv_heads, dim, causal, engine
 ):
     q, k, v = inputs(num_query, num_keys, heads, kv_heads, dim)
     scale = dim**-0.5
     want, want_lse = reference(q, k, v, causal, scale)
-    got, lse = amx_prefill.attend(q, k, v, causal, scale, with_lse=True)
+    got, lse = bf16_prefill.attend(q, k, v, causal, scale, with_lse=True, engine=engine)
     assert got.dtype == torch.float32 and lse is not None
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-6)
     # SDPA's error on the same inputs (the trailing causal mask as a boolean mask).
@@ -76,30 +79,32 @@ def test_the_kernel_is_as_close_to_exact_attention_as_sdpa(
     sdpa_error = (sdpa.double() - want).abs().max().item()
     assert (got.double() - want).abs().max().item() <= max(2 * sdpa_error, 1e-3)
     # The bfloat16 output is the float32 one, rounded.
-    rounded, no_lse = amx_prefill.attend(q, k, v, causal, scale)
+    rounded, no_lse = bf16_prefill.attend(q, k, v, causal, scale, engine=engine)
     assert no_lse is None and torch.equal(rounded, got.to(torch.bfloat16))
 
 
-def test_the_kernel_reads_strided_rows_and_declines_what_it_does_not_fit():
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_the_kernel_reads_strided_rows_and_declines_what_it_does_not_fit(engine):
     """V as a view of a fused QKV projection (rows spaced by q + k + v); float32, a head size
     not a multiple of 32 and more queries than keys for a causal chunk return None."""
     q, k, _ = inputs(40, 40, 9, 3, 64, seed=1)
     qkv = torch.randn(40, (9 + 6) * 64).to(torch.bfloat16)
     v = qkv[:, 12 * 64 :].view(40, 3, 64)
     assert v.stride(0) == 15 * 64
-    got, _ = amx_prefill.attend(q, k, v, True, 0.125)
-    torch.testing.assert_close(got, amx_prefill.attend(q, k, v.contiguous(), True, 0.125)[0],
-                               rtol=0, atol=0)  # fmt: skip
-    assert amx_prefill.attend(q.float(), k.float(), v.float(), True, 0.125) is None
+    got, _ = bf16_prefill.attend(q, k, v, True, 0.125, engine=engine)
+    contiguous, _ = bf16_prefill.attend(q, k, v.contiguous(), True, 0.125, engine=engine)
+    torch.testing.assert_close(got, contiguous, rtol=0, atol=0)
+    assert bf16_prefill.attend(q.float(), k.float(), v.float(), True, 0.125) is None
     q48, k48, v48 = inputs(8, 8, 2, 1, 48)
-    assert amx_prefill.attend(q48, k48, v48, True, 0.125) is None
-    assert amx_prefill.attend(q, k[:10], v[:10], True, 0.125) is None
+    assert bf16_prefill.attend(q48, k48, v48, True, 0.125) is None
+    assert bf16_prefill.attend(q, k[:10], v[:10], True, 0.125) is None
 
 
-def test_the_amx_kernels_and_torchs_own_amx_calls_interleave():
-    """SDPA's flash kernel and oneDNN also run on AMX tiles, in the same threads, and may keep
-    a tile configuration between calls; the kvserve kernels configure and release theirs.
-    Interleaved in a random order, every call gives the same bits as its first one."""
+def test_the_kernels_and_torchs_own_amx_calls_interleave():
+    """SDPA's flash kernel and oneDNN also run on AMX tiles (where the CPU has them), in the
+    same threads, and may keep a tile configuration between calls; the kvserve kernels
+    configure and release theirs.  Interleaved in a random order, every call gives the same
+    bits as its first one (on any CPU: the vector engine, too, must not depend on history)."""
     import random
 
     from kvserve.models.packed_linear import PackedLinear
@@ -110,8 +115,9 @@ def test_the_amx_kernels_and_torchs_own_amx_calls_interleave():
     rows16, rows512 = (torch.randn(n, 576).to(torch.bfloat16) for n in (16, 512))
     calls = {
         "sdpa flash": lambda: _sequence_attention(q, k, k, None, 0.125),
-        "amx attention": lambda: amx_prefill.attend(q, k, k, True, 0.125)[0],
-        "amx linear (16 rows)": lambda: layer(rows16),
+        "kernel attention": lambda: bf16_prefill.attend(q, k, k, True, 0.125)[0],
+        "vector attention": lambda: bf16_prefill.attend(q, k, k, True, 0.125, engine=1)[0],
+        "amx (or oneDNN) linear (16 rows)": lambda: layer(rows16),
         "onednn linear (512 rows)": lambda: layer(rows512),
     }
     first = {name: call() for name, call in calls.items()}

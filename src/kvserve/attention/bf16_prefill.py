@@ -1,13 +1,14 @@
-"""A bfloat16 prefill chunk's attention on AMX tiles, through csrc/prefill_amx.c.
+"""A bfloat16 prefill chunk's attention through csrc/prefill_bf16.c: on AMX tiles where the
+CPU has them, else with AVX512-BF16 dot products.
 
 PyTorch's CPU flash kernel attends a 256-token causal prompt of the embedded model in ~290 us
-a layer on two cores (~240 GFLOP/s); the exponentials are ~30 us of it.  The C kernel runs
-both matrix products on AMX tiles and the softmax exactly, in two passes per block of 16
-query rows: 174 us for the same prompt, 1.7 ms against 3.0 for 1,024 tokens (docs/
-benchmarks.md, seventh round).  The probabilities are rounded to bfloat16 before P x V, as
-the flash kernel rounds them.  Where the build or the CPU has no AMX, or the tensors do not
-fit the kernel (float32, a head size not a multiple of 32), `attend` returns None and the
-caller keeps SDPA.
+a layer on two AMX cores (~240 GFLOP/s), and in ~1.1 ms on two AVX512-BF16 cores without AMX
+(AMD Zen).  The C kernel runs both matrix products on AMX tiles (or vdpbf16ps) and the
+softmax exactly, in two passes per block of 16 query rows: on AMX, 174 us for the same
+prompt, 1.7 ms against 3.0 for 1,024 tokens (docs/benchmarks.md, seventh and eighth rounds).
+The probabilities are rounded to bfloat16 before P x V, as the flash kernel rounds them.
+Where the build or the CPU has no AVX512-BF16, or the tensors do not fit the kernel (float32,
+a head size not a multiple of 32), `attend` returns None and the caller keeps SDPA.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _kernel() -> Callable[..., int] | None:
     return kernel_function(
         "prefill_attention_bf16",
         [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, ctypes.c_float, i32, ptr, ptr,
-         ptr, i32],
+         ptr, i32, i32],
     )  # fmt: skip
 
 
@@ -43,9 +44,14 @@ def _fits(x: torch.Tensor) -> bool:
     )
 
 
+# Engines of the C kernel: the best this CPU has (AMX tiles where the OS grants them), or
+# AVX512-BF16 vectors alone (the path of CPUs without AMX, which tests also run on AMX CPUs).
+BEST, VECTORS = 0, 1
+
+
 @functools.cache
-def amx_prefill_available() -> bool:
-    """The kernel runs here: built with AMX-BF16 and granted the tile state by the OS."""
+def prefill_kernel_available() -> bool:
+    """The kernel runs here: built with AVX512-BF16 (the compiler and the CPU have it)."""
     probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
     return _kernel() is not None and attend(probe, probe, probe, True, 1.0) is not None
 
@@ -57,6 +63,7 @@ def attend(
     causal: bool,  # query t sees keys up to t + S - L (the chunk ends the sequence)
     scale: float,
     with_lse: bool = False,
+    engine: int = BEST,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Attention ([L, H, D] bfloat16; with `with_lse`, float32 and each (token, head)'s
     log-sum-exp [L, H]), or None where the kernel does not serve these tensors."""
@@ -73,8 +80,8 @@ def attend(
         query.data_ptr(), query.stride(0), keys.data_ptr(), keys.stride(0), values.data_ptr(),
         values.stride(0), num_query, num_keys, num_heads, num_kv_heads, dim, scale, int(causal),
         None if with_lse else out.data_ptr(), out.data_ptr() if with_lse else None,
-        None if lse is None else lse.data_ptr(), torch.get_num_threads(),
+        None if lse is None else lse.data_ptr(), engine, torch.get_num_threads(),
     )  # fmt: skip
     if failed == 2:
-        raise MemoryError("AMX prefill attention: out of memory for its buffers")
+        raise MemoryError("bf16 prefill attention: out of memory for its buffers")
     return None if failed else (out, lse)
