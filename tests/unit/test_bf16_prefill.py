@@ -53,6 +53,7 @@ CASES = [  # (L, S, H, Hkv, D, causal)
     (1, 1, 9, 3, 64, True),
     (33, 70, 8, 8, 128, False),  # unmasked (a shared prefix), MHA, two passes of 64 dims
     (100, 1100, 9, 3, 64, False),
+    (45, 45, 6, 2, 96, True),  # six 16-dimension blocks: the vector engine's 4 + 2
 ]
 
 
