@@ -126,3 +126,22 @@ def test_the_kernels_and_torchs_own_amx_calls_interleave():
     for _ in range(400):
         name = rng.choice(list(calls))
         assert torch.equal(calls[name](), first[name]), name
+
+
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+def test_a_batch_of_sequences_gives_each_sequences_own_attention(engine):
+    """N same-shape sequences in one call (W3's suffixes) give, bit for bit, what N calls
+    give; the queries may be a strided view (rows of a fused projection)."""
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 37, (9 + 6) * 64, generator=generator).to(torch.bfloat16)
+    q = qkv[..., : 9 * 64].unflatten(-1, (9, 64))
+    k = torch.randn(5, 40, 3, 64, generator=generator).to(torch.bfloat16)
+    v = torch.randn(5, 40, 3, 64, generator=generator).to(torch.bfloat16)
+    out, lse = bf16_prefill.attend_batch(q, k, v, True, 0.125, with_lse=True, engine=engine)
+    assert out.shape == (5, 37, 9, 64) and lse.shape == (5, 37, 9)
+    for i in range(5):
+        one, one_lse = bf16_prefill.attend(q[i], k[i], v[i], True, 0.125, True, engine)
+        assert torch.equal(out[i], one) and torch.equal(lse[i], one_lse)
+    want, want_lse = reference(q[4], k[4], v[4], True, 0.125)
+    torch.testing.assert_close(lse[4].double(), want_lse, atol=2e-5, rtol=2e-6)
+    assert bf16_prefill.attend_batch(q, k[:4], v[:4], True, 0.125) is None

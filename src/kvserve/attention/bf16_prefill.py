@@ -27,20 +27,21 @@ def _kernel() -> Callable[..., int] | None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     return kernel_function(
         "prefill_attention_bf16",
-        [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32, i32, ctypes.c_float, i32, ptr, ptr,
-         ptr, i32, i32],
+        [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i32, i32,
+         ctypes.c_float, i32, ptr, ptr, ptr, i32, i32],
     )  # fmt: skip
 
 
 def _fits(x: torch.Tensor) -> bool:
-    """[tokens, heads, dim] bfloat16 on the CPU, each token's heads x dim contiguous."""
+    """[sequences, tokens, heads, dim] bfloat16 on the CPU, each token's heads x dim
+    contiguous."""
     return (
         x.dtype == torch.bfloat16
         and x.device.type == "cpu"
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and x.shape[2] % 32 == 0
-        and x.shape[2] <= 256
+        and x.stride(3) == 1
+        and x.stride(2) == x.shape[3]
+        and x.shape[3] % 32 == 0
+        and x.shape[3] <= 256
     )
 
 
@@ -67,18 +68,44 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Attention ([L, H, D] bfloat16; with `with_lse`, float32 and each (token, head)'s
     log-sum-exp [L, H]), or None where the kernel does not serve these tensors."""
+    result = attend_batch(query[None], keys[None], values[None], causal, scale, with_lse, engine)
+    if result is None:
+        return None
+    out, lse = result
+    return out[0], None if lse is None else lse[0]
+
+
+def attend_batch(
+    query: torch.Tensor,  # [N, L, H, D] bfloat16
+    keys: torch.Tensor,  # [N, S, Hkv, D]
+    values: torch.Tensor,
+    causal: bool,
+    scale: float,
+    with_lse: bool = False,
+    engine: int = BEST,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`attend` for N sequences of one shape in one call ([N, L, H, D], [N, L, H]): W3's 30
+    suffixes of 32 tokens cost ~50 us each as separate calls (buffers, threads, arguments),
+    ~10x their arithmetic."""
     kernel = _kernel()
     if kernel is None or not all(_fits(x) for x in (query, keys, values)):
         return None
-    (num_query, num_heads, dim), (num_keys, num_kv_heads) = query.shape, keys.shape[:2]
-    if causal and num_keys < num_query or num_heads % num_kv_heads or values.shape != keys.shape:
+    (num_seqs, num_query, num_heads, dim), (num_keys, num_kv_heads) = query.shape, keys.shape[1:3]
+    if (
+        causal
+        and num_keys < num_query
+        or num_heads % num_kv_heads
+        or values.shape != keys.shape
+        or keys.shape[0] != num_seqs
+    ):
         return None
     out_dtype = torch.float32 if with_lse else torch.bfloat16
-    out = torch.empty((num_query, num_heads, dim), dtype=out_dtype)
-    lse = torch.empty((num_query, num_heads), dtype=torch.float32) if with_lse else None
+    out = torch.empty((num_seqs, num_query, num_heads, dim), dtype=out_dtype)
+    lse = torch.empty((num_seqs, num_query, num_heads), dtype=torch.float32) if with_lse else None
     failed = kernel(
-        query.data_ptr(), query.stride(0), keys.data_ptr(), keys.stride(0), values.data_ptr(),
-        values.stride(0), num_query, num_keys, num_heads, num_kv_heads, dim, scale, int(causal),
+        query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), keys.stride(1),
+        keys.stride(0), values.data_ptr(), values.stride(1), values.stride(0), num_seqs,
+        num_query, num_keys, num_heads, num_kv_heads, dim, scale, int(causal),
         None if with_lse else out.data_ptr(), out.data_ptr() if with_lse else None,
         None if lse is None else lse.data_ptr(), engine, torch.get_num_threads(),
     )  # fmt: skip

@@ -183,8 +183,8 @@ class CpuPagedBackend(TorchRefBackend):
             lse2[rows] = lse
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
 
-    @staticmethod
     def _suffix_attention(
+        self,
         query: torch.Tensor,  # [T, H, D]
         kv_cache: LayerKVCache,
         spans: list[PrefillSpan],  # of one shape (same_shape_groups)
@@ -202,9 +202,17 @@ class CpuPagedBackend(TorchRefBackend):
         tables = torch.stack([s.block_table[num_blocks : num_blocks + own_blocks] for s in spans])
         keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
         keys, values = keys[:, :suffix_len], values[:, :suffix_len]
-        mask = trailing_causal_mask(suffix_len, num_query, query.device)
         rows = _rows_of(spans)
         q = query[rows].view(len(spans), num_query, *query.shape[1:])
+        # Each suffix's chunk ends it: the kernel's causal case.  30 x 32 tokens over their
+        # 32 keys took SDPA's masked flash call ~1.8 ms a layer on an AVX512-BF16 CPU
+        # without AMX.
+        kernel = self._bf16_prefill and q.dtype == torch.bfloat16
+        result = bf16_prefill.attend_batch(q, keys, values, True, scale, True) if kernel else None
+        if result is not None:
+            out, lse = result
+            return rows, out.flatten(0, 1), lse.flatten(0, 1)  # type: ignore[union-attr]
+        mask = trailing_causal_mask(suffix_len, num_query, query.device)
         out, lse = shared_prefix.batched_attention_with_lse(q, keys, values, mask, scale)
         return rows, out.flatten(0, 1), lse.flatten(0, 1)
 

@@ -11,12 +11,13 @@
  * exp and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
  * kernel rounds them.  No running maxima, no rescaling.
  *
- *   q      [L, H, D] bf16: token t, head h at q + t * q_stride + h * D (elements)
- *   k, v   [S, Hkv, D] bf16: key j, KV head g at k + j * k_stride + g * D
+ *   q      [N, L, H, D] bf16: sequence n, token t, head h at q + n * q_batch + t * q_stride
+ *          + h * D (elements); N sequences of one shape (W3's suffixes) in one call
+ *   k, v   [N, S, Hkv, D] bf16: key j, KV head g at k + n * k_batch + j * k_stride + g * D
  *   causal query t sees keys j <= t + (S - L) (the chunk is the last L of S tokens);
  *          else every key
- *   out    [L, H, D] contiguous: bf16 (out_bf16) or float32 (out_f32), one of the two
- *   lse    [L, H] float32, or NULL: each row's log-sum-exp of its scaled scores
+ *   out    [N, L, H, D] contiguous: bf16 (out_bf16) or float32 (out_f32), one of the two
+ *   lse    [N, L, H] float32, or NULL: each row's log-sum-exp of its scaled scores
  *   engine 0: AMX where permitted, else vdpbf16ps; 1: vdpbf16ps (tests compare the two)
  *
  * D: a multiple of 32, at most 256.  GQA: query head h reads KV head h / (H / Hkv); K and V
@@ -92,7 +93,7 @@ static void pack_values(const uint16_t *v, int64_t v_stride, int64_t num_keys, i
 
 typedef struct {
     const uint16_t *q;
-    int64_t q_stride, num_query, num_keys;
+    int64_t q_stride, q_batch, num_query, num_keys;
     int num_heads, group, dim, causal, use_amx;
     float scale;
     const uint32_t *keys, *values; /* packed, per KV head */
@@ -321,8 +322,8 @@ static void softmax_rows(const prefill_args *a, block_work *w, int64_t first, in
     }
 }
 
-/* Query rows [16 qb, 16 qb + 16) of head h. */
-static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w) {
+/* Query rows [16 qb, 16 qb + 16) of sequence `seq`, head h. */
+static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t qb, block_work *w) {
     const int64_t first = qb * 16, offset = a->num_keys - a->num_query;
     const int rows = a->num_query - first < 16 ? (int)(a->num_query - first) : 16;
     int64_t end = a->causal ? first + rows + offset : a->num_keys; /* keys any row sees */
@@ -333,12 +334,14 @@ static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w
     const int kv_head = h / a->group, dim = a->dim;
     for (int m = 0; m < 16; m++) {
         if (m < rows)
-            memcpy(w->qbuf + m * dim, a->q + (first + m) * a->q_stride + (int64_t)h * dim, dim * 2);
+            memcpy(w->qbuf + m * dim, a->q + seq * a->q_batch + (first + m) * a->q_stride + (int64_t)h * dim,
+                   dim * 2);
         else
             memset(w->qbuf + m * dim, 0, dim * 2);
     }
-    const uint32_t *keys = a->keys + kv_head * a->keys_per_head;
-    const uint32_t *values = a->values + kv_head * a->values_per_head;
+    const int64_t packed_head = seq * (a->num_heads / a->group) + kv_head;
+    const uint32_t *keys = a->keys + packed_head * a->keys_per_head;
+    const uint32_t *values = a->values + packed_head * a->values_per_head;
 #if PREFILL_HAS_AMX
     if (a->use_amx) {
         block_scores_amx(a, keys, w, (end + 15) / 16, stride);
@@ -357,7 +360,7 @@ static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w
         group_output_vec(a, values, w, m, group_pairs, stride);
     }
     for (int m = 0; m < rows; m++) {
-        const int64_t row = (first + m) * a->num_heads + h;
+        const int64_t row = (seq * a->num_query + first + m) * a->num_heads + h;
         const __m512 inv = _mm512_set1_ps(1.0f / w->row_sum[m]);
         for (int d = 0; d < dim; d += 16) {
             __m512 o = _mm512_mul_ps(_mm512_loadu_ps(w->obuf + m * dim + d), inv);
@@ -371,8 +374,9 @@ static void attend_block(const prefill_args *a, int h, int64_t qb, block_work *w
     }
 }
 
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
+                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
+                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
                            float *lse, int engine, int num_threads) {
@@ -382,32 +386,34 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     const int use_amx = 0;
     (void)engine;
 #endif
-    if (dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 ||
+    if (dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 || num_seqs < 1 ||
         num_query < 1 || (causal && num_keys < num_query))
         return 1;
     const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
-    prefill_args a = {q, q_stride, num_query, num_keys, num_heads, num_heads / num_kv_heads, dim,
+    prefill_args a = {q, q_stride, q_batch, num_query, num_keys, num_heads, num_heads / num_kv_heads, dim,
                       causal, use_amx, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
                       pair_blocks * (dim / 16) * TILE_WORDS, out_bf16, out_f32, lse};
+    const int64_t packed_heads = num_seqs * num_kv_heads;
     uint32_t *packed = aligned_alloc(64, (size_t)(a.keys_per_head + a.values_per_head) *
-                                             num_kv_heads * sizeof(uint32_t));
+                                             packed_heads * sizeof(uint32_t));
     if (!packed) return 2;
     a.keys = packed;
-    a.values = packed + a.keys_per_head * num_kv_heads;
-    const int64_t query_blocks = (num_query + 15) / 16, items = query_blocks * num_heads;
+    a.values = packed + a.keys_per_head * packed_heads;
+    const int64_t query_blocks = (num_query + 15) / 16, per_seq = query_blocks * num_heads;
+    const int64_t items = num_seqs * per_seq;
     const int64_t padded = pair_blocks * 32;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
-        for (int i = 0; i < 2 * num_kv_heads; i++) {
-            const int g = i / 2;
+        for (int64_t i = 0; i < 2 * packed_heads; i++) { /* (sequence, KV head), K and V */
+            const int64_t head = i / 2, seq = head / num_kv_heads, g = head % num_kv_heads;
             if (i % 2 == 0)
-                pack_keys(k + (int64_t)g * dim, k_stride, num_keys, dim,
-                          (uint32_t *)a.keys + g * a.keys_per_head);
+                pack_keys(k + seq * k_batch + g * dim, k_stride, num_keys, dim,
+                          (uint32_t *)a.keys + head * a.keys_per_head);
             else
-                pack_values(v + (int64_t)g * dim, v_stride, num_keys, dim,
-                            (uint32_t *)a.values + g * a.values_per_head);
+                pack_values(v + seq * v_batch + g * dim, v_stride, num_keys, dim,
+                            (uint32_t *)a.values + head * a.values_per_head);
         }
         block_work w = {0};
         char *buffer = aligned_alloc(64, (size_t)16 * (padded + 16) * 6 + (size_t)16 * dim * 6 + 64);
@@ -425,9 +431,11 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
         }
         /* The last query blocks see the most keys: hand them out first. */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t seq = item / per_seq, rest = item % per_seq;
             if (buffer)
-                attend_block(&a, (int)(item % num_heads), query_blocks - 1 - item / num_heads, &w);
+                attend_block(&a, seq, (int)(rest % num_heads), query_blocks - 1 - rest / num_heads, &w);
+        }
 #if PREFILL_HAS_AMX
         if (buffer && use_amx) _tile_release();
 #endif
@@ -437,12 +445,14 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     return failed ? 2 : 0;
 }
 #else
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k,
-                           int64_t k_stride, const uint16_t *v, int64_t v_stride,
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
+                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
+                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
                            float *lse, int engine, int num_threads) {
     (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
+    (void)q_batch, (void)k_batch, (void)v_batch, (void)num_seqs;
     (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
     (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
     return 1;
