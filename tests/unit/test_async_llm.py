@@ -300,3 +300,42 @@ def test_a_launched_engine_shut_down_before_start_is_closed_on_its_thread():
     llm.shutdown()
     assert not llm._thread.is_alive()
     assert len(llm.engine.threads) == 1 and threading.get_ident() not in llm.engine.threads
+
+
+class StepSizeEngine(FakeEngine):
+    """Records how many requests each step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_sizes: list[int] = []
+
+    def step(self) -> list[RequestOutput]:
+        self.step_sizes.append(len(self.requests))
+        return super().step()
+
+
+@pytest.mark.parametrize(("gap_s", "window_s", "first_step"), [(0.5, 5.0, 8), (0.5, 0.0, 1)])
+def test_an_idle_engine_takes_a_burst_of_requests_into_its_first_step(
+    monkeypatch, gap_s, window_s, first_step
+):
+    """Requests arriving 20 ms apart into an idle engine: with a burst gap longer than that,
+    the first step runs all eight (W3's prompts then share one full step); with no burst
+    window, the first request steps alone.  The gaps are wide so that a slow CI machine
+    cannot change the outcome."""
+    from kvserve.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "BURST_GAP_S", gap_s)
+    monkeypatch.setattr(async_llm, "BURST_WINDOW_S", window_s)
+    engine = StepSizeEngine()
+
+    async def scenario(llm: AsyncLLM) -> None:
+        streams = []
+        for i in range(8):
+            streams.append(await llm.add_request(f"r{i}", [1], SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.02)
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    run_with(engine, scenario)
+    assert engine.step_sizes[0] == first_step

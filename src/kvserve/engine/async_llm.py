@@ -33,6 +33,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,14 @@ logger = logging.getLogger("kvserve")
 
 ENGINE_THREAD = "kvserve-engine"
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the fault is not in one request: stop serving
+# An idle engine that receives a request waits while more keep arriving (each within
+# BURST_GAP_S of the one before, BURST_WINDOW_S at most) before its first step: a client's
+# burst then starts in one full step instead of its first request's step alone.  W3's 64
+# prompts sharing 1,024 tokens otherwise ran as the first prompt (1,056 tokens, half a step's
+# budget) and then the 63 others, all behind it: TTFT p50 was both steps.  A lone request
+# pays one gap.
+BURST_GAP_S = 0.002
+BURST_WINDOW_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -236,6 +245,9 @@ class AsyncLLM:
                     self.stats = self.engine.get_stats()
                     self._wakeup.wait()
                     self._wakeup.clear()
+                    self._run_commands()
+                    if self.engine.has_unfinished_requests():
+                        self._gather_burst()
                     continue
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - anything here ends the engine
@@ -246,6 +258,16 @@ class AsyncLLM:
             self._close_engine()
         if self._error is not None and self.on_fatal is not None:
             self.on_fatal(self._error)
+
+    def _gather_burst(self) -> None:
+        """Run the commands that keep arriving, each within BURST_GAP_S of the last, for up to
+        BURST_WINDOW_S (see there)."""
+        deadline = time.monotonic() + BURST_WINDOW_S
+        while not self._stopping and time.monotonic() < deadline:
+            if not self._wakeup.wait(timeout=BURST_GAP_S):
+                return
+            self._wakeup.clear()
+            self._run_commands()
 
     def _close_engine(self) -> None:
         """Write the prefix cache store, stop the event publisher (after the requests were
