@@ -32,6 +32,7 @@
 #include <string.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PREFILL_HAS_VECTORS 1
 #include <immintrin.h>
 #include <math.h>
 
@@ -374,12 +375,23 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t qb, 
     }
 }
 
+#else
+#define PREFILL_HAS_VECTORS 0
+#endif
+
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
                            const uint16_t *k, int64_t k_stride, int64_t k_batch,
                            const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
                            float *lse, int engine, int num_threads) {
+#if !PREFILL_HAS_VECTORS /* this build has no AVX512-BF16: the caller keeps SDPA */
+    (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
+    (void)q_batch, (void)k_batch, (void)v_batch, (void)num_seqs;
+    (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
+    (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
+    return 1;
+#else
 #if PREFILL_HAS_AMX
     const int use_amx = engine == 0 && amx_permitted();
 #else
@@ -390,8 +402,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
         num_query < 1 || (causal && num_keys < num_query))
         return 1;
     const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
-    prefill_args a = {q, q_stride, q_batch, num_query, num_keys, num_heads, num_heads / num_kv_heads, dim,
-                      causal, use_amx, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
+    prefill_args a = {q, q_stride, q_batch, num_query, num_keys, num_heads,
+                      num_heads / num_kv_heads, dim, causal, use_amx, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
                       pair_blocks * (dim / 16) * TILE_WORDS, out_bf16, out_f32, lse};
     const int64_t packed_heads = num_seqs * num_kv_heads;
     uint32_t *packed = aligned_alloc(64, (size_t)(a.keys_per_head + a.values_per_head) *
@@ -443,18 +455,5 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
     }
     free(packed);
     return failed ? 2 : 0;
-}
-#else
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
-                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
-                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
-                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
-                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int engine, int num_threads) {
-    (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
-    (void)q_batch, (void)k_batch, (void)v_batch, (void)num_seqs;
-    (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
-    (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
-    return 1;
-}
 #endif
+}
