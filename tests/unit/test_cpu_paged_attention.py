@@ -17,7 +17,7 @@ from attention_cases import (
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
-from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.cpu_kernels import paged_decode_available, use_amx_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv import quant
@@ -59,6 +59,47 @@ def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_
     expected = TorchRefBackend()._decode(query, cache, md, scale)
     got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, scale)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def _amx_decode_here() -> bool:
+    was = use_amx_decode(True)
+    use_amx_decode(was)
+    return was
+
+
+@pytest.mark.skipif(not _amx_decode_here(), reason="the kernel has no AMX path on this CPU")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(9, 3, 64, 16), (9, 3, 64, 32), (16, 2, 128, 16), (6, 2, 32, 16), (8, 8, 64, 64),
+     (5, 1, 128, 16)],
+)  # fmt: skip
+def test_amx_scores_equal_the_vector_path_and_the_reference(heads, kv_heads, dim, block_size):
+    """A bf16 cache on a CPU with AMX: the scores on tiles (every KV head's queries in one B
+    tile's columns, zero where a head does not attend with that KV head), one softmax over all
+    heads, p x V over the whole sequence.  Against the float32 reference as closely as the
+    vdpbf16ps path, with the log-sum-exps the shared-prefix merge needs.  A B tile with a
+    head in the wrong KV head's columns, or a softmax over another lane, fails here."""
+    gen = torch.Generator().manual_seed(heads * 10 + dim + block_size)
+    seq_lens = [1, 15, 16, 17, block_size + 1, 3 * block_size - 1, 130, 301]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = filled_cache("bfloat16", num_blocks, block_size, kv_heads, dim, gen)
+    md = decode_metadata(seq_lens, num_blocks, block_size, gen)
+    query = torch.randn(len(seq_lens), heads, dim, generator=gen).bfloat16().float()
+    scale = dim**-0.5
+    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    backend = select_backend("cpu-paged", torch.device("cpu"))
+    tables, lens = md.decode_block_tables, md.decode_seq_lens
+    results = {}
+    try:
+        for amx in (True, False):
+            use_amx_decode(amx)
+            lse = torch.empty(len(seq_lens), heads)
+            results[amx] = backend._kernel_decode(query, cache, tables, lens, scale, lse), lse
+    finally:
+        use_amx_decode(True)
+    for out, _ in results.values():
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -239,7 +239,15 @@ def _open(path: Path) -> ctypes.CDLL:
     silu_mul = lib.silu_mul_bf16
     silu_mul.argtypes = [ptr, ctypes.c_int64, ptr] + [ctypes.c_int64] * 3 + [i32]
     silu_mul.restype = i32
+    lib.paged_decode_use_amx.argtypes, lib.paged_decode_use_amx.restype = [i32], i32
     return lib
+
+
+def use_amx_decode(on: bool) -> bool:
+    """Switch the decode kernel's AMX scores (bf16 caches, on by default where the CPU has
+    AMX) for tests and benchmarks that compare the two paths; returns whether AMX was on (always
+    False where the kernel was built without it)."""
+    return bool(load_paged_decode().paged_decode_use_amx(int(on)))
 
 
 @functools.cache

@@ -626,8 +626,195 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
                              _mm512_mul_ps(_mm512_loadu_ps(out + (int64_t)head * dim + d), inv));
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define DECODE_HAS_AMX 1
+#include "amx_tiles.h"
+
+/* A bfloat16 cache on a CPU with AMX: the scores of a sequence on tiles, where the vdpbf16ps
+ * path above spends ~190 ns per block and KV head on 16-lane dot products and their transposing
+ * reductions (at W1's shape its scores pass alone cost as much as its memory traffic).
+ * S^T = K x Q^T: the A tile is 16 cached K rows read in place (32 dimensions of one KV head, the
+ * row stride apart), the B tile the queries as dimension pairs, one column per query head.
+ * Column n of KV head h's B tile is zero unless head n attends with h, so one accumulator
+ * tile sums all the KV heads' products without mixing them: C[t][n] = q_n . k_{h(n)}[t].
+ * Scores are then [token][16 heads] float32: the softmax runs on all heads at once (one lane
+ * each), and p x V reads its weights as broadcasts from one 64-byte row per token. */
+
+#define QTILE_WORDS 512 /* 16 rows x 32 bf16 */
+
+int paged_decode_amx_enabled = 1; /* tests and benchmarks switch it (paged_decode_use_amx) */
+
+int paged_decode_use_amx(int on) {
+    int was = paged_decode_amx_enabled;
+    paged_decode_amx_enabled = on;
+    return was;
+}
+
+static inline int amx_shape(int kind, const float *value_scale, int num_heads, int dim,
+                            int block_size) {
+    return paged_decode_amx_enabled && kind == KV_BF16 && !value_scale && num_heads <= 16
+           && (dim == 32 || dim == 64 || dim == 128) && block_size % 16 == 0 && amx_permitted();
+}
+
+/* tiles[(h * chunks + c) * QTILE_WORDS]: row r, column n = (q_n[32c + 2r], q_n[32c + 2r + 1])
+ * for the heads n of KV head h's group, zero elsewhere.  q is bf16-exact float32. */
+static void pack_query_tiles(const float *q, int num_kv_heads, int group, int dim,
+                             uint16_t *tiles) {
+    const int chunks = dim / 32;
+    memset(tiles, 0, sizeof(uint16_t) * QTILE_WORDS * num_kv_heads * chunks);
+    for (int n = 0; n < num_kv_heads * group; n++)
+        for (int c = 0; c < chunks; c++) {
+            uint16_t *tile = tiles + ((n / group) * chunks + c) * QTILE_WORDS;
+            for (int i = 0; i < 32; i++) {
+                uint32_t bits;
+                memcpy(&bits, q + (int64_t)n * dim + 32 * c + i, sizeof bits);
+                tile[(i / 2) * 32 + 2 * n + i % 2] = (uint16_t)(bits >> 16);
+            }
+        }
+}
+
+/* Pass 1: scores[t * 16 + n] = q_n . k_t (unscaled) for every token t of the sequence, whole
+ * spans of 16 (rows past seq_len are computed from whatever the block holds and never read).
+ * While a block's scores are computed, its V and the next block's K are asked for. */
+static void scores_amx(const uint16_t *qtiles, const char *key, const char *value,
+                       const int64_t *table, int64_t seq_len, int num_kv_heads, int dim,
+                       int block_size, int64_t row_stride, float *scores) {
+    const int chunks = dim / 32, tiles = num_kv_heads * chunks;
+    const int64_t block_bytes = block_size * row_stride;
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const char *block = key + table[b] * block_bytes;
+        const char *its_value = value + table[b] * block_bytes;
+        const char *next_key = b + 1 < num_blocks ? key + table[b + 1] * block_bytes : NULL;
+        const int64_t rows = seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                                  : block_size;
+        for (int64_t start = 0; start < rows; start += 16) {
+            _tile_zero(0);
+            for (int i = 0; i < tiles; i++) {
+                const int h = i / chunks, c = i % chunks;
+                _tile_loadd(1, block + start * row_stride + (int64_t)h * dim * 2 + c * 64,
+                            row_stride);
+                _tile_loadd(2, qtiles + i * QTILE_WORDS, 64);
+                _tile_dpbf16ps(0, 1, 2);
+                if (start == 0) {
+                    prefetch_part(its_value, block_bytes, i, tiles);
+                    if (next_key) prefetch_part(next_key, block_bytes, i, tiles);
+                }
+            }
+            _tile_stored(0, scores + (b * block_size + start) * 16, 64);
+        }
+    }
+}
+
+/* Softmax over the tokens of all 16 lanes (heads) at once, in place: p = exp((s - max) x
+ * sm_scale).  lse[n]: lane n's log-sum-exp of the scaled scores; returns the lanes' 1 / sum. */
+static __m512 softmax_columns(float *scores, int64_t seq_len, float sm_scale, float *lse) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < seq_len; t++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores + 16 * t));
+    const __m512 scale = _mm512_set1_ps(sm_scale), shift = _mm512_mul_ps(mx, scale);
+    for (int64_t t = 0; t < seq_len; t++) {
+        __m512 p = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scale, shift));
+        _mm512_storeu_ps(scores + 16 * t, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    float shifts[16], sums[16];
+    _mm512_storeu_ps(shifts, shift);
+    _mm512_storeu_ps(sums, sum);
+    for (int n = 0; n < 16; n++) lse[n] = shifts[n] + logf(sums[n]);
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+}
+
+/* acc[g] (dim floats, `stride` apart) = sum over the sequence's tokens t of p[t * 16 + g] x
+ * V row t (one KV head, at head_offset in each row): the GS x C accumulators stay in registers
+ * for the whole sequence, each V chunk widened once for all GS heads.  Over block b it asks
+ * for slice `part0 + b` of `parts` of the next sequence's first blocks. */
+#define DEFINE_PV_SEQ(GS, C)                                                                   \
+    static void pv_seq_##GS##_##C(float *acc, int64_t stride, const float *p,                 \
+                                  const char *value, const int64_t *table, int64_t seq_len,    \
+                                  int block_size, int64_t row_stride, int64_t head_offset,     \
+                                  const char *key, next_sequence next, int64_t part0,          \
+                                  int64_t parts) {                                             \
+        const int64_t block_bytes = block_size * row_stride;                                   \
+        __m512 a[GS][C];                                                                       \
+        for (int g = 0; g < GS; g++)                                                           \
+            for (int c = 0; c < C; c++) a[g][c] = _mm512_setzero_ps();                         \
+        for (int64_t b = 0, t = 0; t < seq_len; b++) {                                         \
+            prefetch_next_part(key, value, next, block_bytes, part0 + b, parts);               \
+            const char *block = value + table[b] * block_bytes + head_offset;                  \
+            for (int o = 0; o < block_size && t < seq_len; o++, t++) {                         \
+                const uint16_t *row = (const uint16_t *)(block + o * row_stride);              \
+                for (int c = 0; c < C; c++) {                                                  \
+                    __m512 v = chunk_f32(KV_BF16, row, c);                                     \
+                    for (int g = 0; g < GS; g++)                                               \
+                        a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * 16 + g]), v, a[g][c]);  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int g = 0; g < GS; g++)                                                           \
+            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);  \
+    }
+DEFINE_PV_SEQ(1, 2) DEFINE_PV_SEQ(2, 2) DEFINE_PV_SEQ(3, 2) DEFINE_PV_SEQ(4, 2)
+DEFINE_PV_SEQ(5, 2) DEFINE_PV_SEQ(6, 2) DEFINE_PV_SEQ(7, 2) DEFINE_PV_SEQ(8, 2)
+DEFINE_PV_SEQ(1, 4) DEFINE_PV_SEQ(2, 4) DEFINE_PV_SEQ(3, 4) DEFINE_PV_SEQ(4, 4)
+DEFINE_PV_SEQ(1, 8) DEFINE_PV_SEQ(2, 8)
+
+typedef void (*pv_seq_fn)(float *, int64_t, const float *, const char *, const int64_t *,
+                          int64_t, int, int64_t, int64_t, const char *, next_sequence, int64_t,
+                          int64_t);
+static const pv_seq_fn PV_SEQ_BY_SHAPE[9][9] = { /* [C][GS]: dim 32, 64, 128 */
+    [2] = {0, pv_seq_1_2, pv_seq_2_2, pv_seq_3_2, pv_seq_4_2, pv_seq_5_2, pv_seq_6_2, pv_seq_7_2,
+           pv_seq_8_2},
+    [4] = {0, pv_seq_1_4, pv_seq_2_4, pv_seq_3_4, pv_seq_4_4},
+    [8] = {0, pv_seq_1_8, pv_seq_2_8},
+};
+
+/* Floats of work attend_sequence_amx needs for sequences of up to `longest` tokens. */
+static size_t amx_work_floats(int64_t longest, int num_kv_heads, int dim) {
+    return (size_t)16 * ((longest + 15) / 16 * 16) + (size_t)num_kv_heads * (dim / 32) * QTILE_WORDS / 2;
+}
+
+/* One sequence over a bf16 cache with bf16-exact queries, its scores on AMX tiles (the calling
+ * thread has configured them), then one softmax for all heads and p x V in float32. */
+static void attend_sequence_amx(const float *q, float *out, const void *key, const void *value,
+                                const int64_t *table, int64_t seq_len, int num_kv_heads,
+                                int group, int dim, int block_size, float sm_scale, float *work,
+                                float *lse, next_sequence next) {
+    const int num_heads = num_kv_heads * group;
+    const int64_t row_stride = (int64_t)num_kv_heads * dim * 2;
+    float *scores = work;
+    uint16_t *qtiles = (uint16_t *)(work + 16 * ((seq_len + 15) / 16 * 16));
+    pack_query_tiles(q, num_kv_heads, group, dim, qtiles);
+    scores_amx(qtiles, key, value, table, seq_len, num_kv_heads, dim, block_size, row_stride,
+               scores);
+    float inv_sum[16], lse_all[16];
+    _mm512_storeu_ps(inv_sum, softmax_columns(scores, seq_len, sm_scale, lse_all));
+    const int gs_max = 16 / (dim / 16) < group ? 16 / (dim / 16) : group;
+    const int64_t blocks = (seq_len + block_size - 1) / block_size;
+    const int calls = num_kv_heads * ((group + gs_max - 1) / gs_max);
+    int call = 0;
+    for (int h = 0; h < num_kv_heads; h++)
+        for (int g0 = 0; g0 < group; g0 += gs_max, call++) {
+            const int gs = group - g0 < gs_max ? group - g0 : gs_max, n = h * group + g0;
+            PV_SEQ_BY_SHAPE[dim / 16][gs](out + (int64_t)n * dim, dim, scores + n, value, table,
+                                          seq_len, block_size, row_stride, (int64_t)h * dim * 2,
+                                          key, next, call * blocks, calls * blocks);
+        }
+    for (int head = 0; head < num_heads; head++) {
+        if (lse) lse[head] = lse_all[head];
+        const __m512 s = _mm512_set1_ps(inv_sum[head]);
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(out + (int64_t)head * dim + d,
+                             _mm512_mul_ps(_mm512_loadu_ps(out + (int64_t)head * dim + d), s));
+    }
+}
+#endif /* AMX */
 #else
 #define HAVE_BF16_DOT 0
+#endif
+#ifndef DECODE_HAS_AMX
+#define DECODE_HAS_AMX 0
+int paged_decode_use_amx(int on) { (void)on; return 0; }
 #endif
 
 typedef struct {
@@ -692,12 +879,17 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
     for (int seq = 0; seq < num_seqs; seq++) longest = seq_lens[seq] > longest ? seq_lens[seq] : longest;
     size_t general = (size_t)2 * num_heads + (size_t)group * block_size + (size_t)2 * block_size * dim;
     size_t fast_work = (size_t)16 * group + (size_t)8 * dim + (size_t)num_heads * ((longest + 15) / 16 * 16);
-    const size_t work_floats = (general > fast_work ? general : fast_work)
-                               + (io_bf16 ? 2 * (size_t)row_floats : 0);
+    size_t work_floats = general > fast_work ? general : fast_work;
 #if HAVE_BF16_DOT
     const int fast = (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
                      && fast_dim(dim) && block_size <= 32;
 #endif
+#if DECODE_HAS_AMX
+    const int amx = fast && amx_shape(kind, value_scale, num_heads, dim, block_size);
+    if (amx && amx_work_floats(longest, num_kv_heads, dim) > work_floats)
+        work_floats = amx_work_floats(longest, num_kv_heads, dim);
+#endif
+    work_floats += io_bf16 ? 2 * (size_t)row_floats : 0;
     int failed = 0, next_seq = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -712,6 +904,9 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
         /* Dynamic scheduling by hand (as schedule(dynamic, 1)), so that a thread knows the
          * sequence it takes next while it attends this one, and prefetches its first blocks. */
         int seq = work ? __atomic_fetch_add(&next_seq, 1, __ATOMIC_RELAXED) : num_seqs;
+#if DECODE_HAS_AMX
+        if (amx) amx_configure_tiles();
+#endif
         while (seq < num_seqs) {
             int following = __atomic_fetch_add(&next_seq, 1, __ATOMIC_RELAXED);
             int64_t head0 = (int64_t)seq * row_floats;
@@ -736,6 +931,13 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
                     next.table = block_tables + (int64_t)following * max_blocks;
                     next.blocks = blocks < NEXT_SEQ_BLOCKS ? blocks : NEXT_SEQ_BLOCKS;
                 }
+#if DECODE_HAS_AMX
+                if (amx)
+                    attend_sequence_amx(q, o, key, value, block_tables + (int64_t)seq * max_blocks,
+                                        seq_lens[seq], num_kv_heads, group, dim, block_size,
+                                        sm_scale, work, seq_lse, next);
+                else
+#endif
                 attend_sequence_fast(q, o, key, value, key_scale, value_scale, kind,
                                      block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
                                      num_kv_heads, group, dim, block_size, sm_scale, work, seq_lse,
@@ -751,6 +953,9 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
                     ((uint16_t *)out)[head0 + i] = float_to_bf16(out_row[i]);
             seq = following;
         }
+#if DECODE_HAS_AMX
+        if (amx) _tile_release();
+#endif
         free(work);
     }
     return failed;
