@@ -145,3 +145,32 @@ def test_a_batch_of_sequences_gives_each_sequences_own_attention(engine):
     want, want_lse = reference(q[4], k[4], v[4], True, 0.125)
     torch.testing.assert_close(lse[4].double(), want_lse, atol=2e-5, rtol=2e-6)
     assert bf16_prefill.attend_batch(q, k[:4], v[:4], True, 0.125) is None
+
+
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
+@pytest.mark.parametrize(("block_size", "num_keys", "causal"), [(16, 1024, False), (32, 77, True),
+                                                               (16, 300, True), (64, 100, False)])  # fmt: skip
+def test_keys_read_in_place_from_a_paged_cache_equal_the_gathered_keys(
+    engine, block_size, num_keys, causal
+):
+    """Two sequences whose keys lie on scattered blocks of a paged cache (a W3 prefix, chunks
+    after cached context): the kernel reads them through the block tables and gives, bit for
+    bit, what it gives on the keys gathered first.  A table read a block off, or a slot of the
+    wrong KV head, fails here."""
+    generator = torch.Generator().manual_seed(block_size + num_keys)
+    blocks_per_seq = -(-num_keys // block_size)
+    cache = torch.randn(2 * blocks_per_seq + 5, 2, block_size, 3, 64, generator=generator)
+    key_cache, value_cache = (c.contiguous() for c in cache.to(torch.bfloat16).unbind(1))
+    tables = torch.randperm(2 * blocks_per_seq + 5, generator=generator)[: 2 * blocks_per_seq]
+    tables = tables.view(2, blocks_per_seq)
+    query = torch.randn(2, 20, 9, 64, generator=generator).to(torch.bfloat16)
+    got = bf16_prefill.attend_paged(
+        query, key_cache, value_cache, tables, num_keys, causal, 0.125, True, engine
+    )
+    gathered_k, gathered_v = (
+        c[tables].flatten(1, 2)[:, :num_keys] for c in (key_cache, value_cache)
+    )
+    want = bf16_prefill.attend_batch(query, gathered_k, gathered_v, causal, 0.125, True, engine)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    odd = key_cache.view(-1, 8, 3, 64)  # blocks of 8 tokens: the kernel declines them
+    assert bf16_prefill.attend_paged(query, odd, odd, tables, 16, causal, 0.125) is None

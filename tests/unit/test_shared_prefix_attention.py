@@ -10,6 +10,7 @@ from attention_cases import filled_cache
 
 from kvserve.attention import select_backend
 from kvserve.attention.cpu_kernels import paged_decode_available
+from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.request import SamplingParams
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
@@ -72,13 +73,22 @@ def test_split_at_shared_prefix_equals_reference(kv_dtype, heads, kv_heads, deco
     query = torch.randn(tokens, heads, 64, generator=gen).to(dtype)
     key = torch.randn(tokens, kv_heads, 64, generator=gen).to(dtype)
     value = torch.randn(tokens, kv_heads, 64, generator=gen).to(dtype)
+    # Each backend on a cache of its own: a decode-only step's rows are stored by the kernel
+    # (not before it), and must then be in the cache as the reference wrote them.
+    own = LayerKVCache(*(None if t is None else t.clone() for t in _tensors(cache)), cache.kv_dtype)
     expected = TorchRefBackend().forward(query, key, value, cache, md, 0.125)
     got = select_backend("cpu-paged", torch.device("cpu")).forward(
-        query, key, value, cache, md, 0.125
+        query, key, value, own, md, 0.125
     )
+    for mine, reference in zip(_tensors(own), _tensors(cache), strict=True):
+        assert mine is None and reference is None or torch.equal(mine, reference)
     assert got.dtype == dtype
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def _tensors(cache: LayerKVCache) -> tuple[torch.Tensor | None, ...]:
+    return cache.key, cache.value, cache.key_scale, cache.value_scale
 
 
 def test_prefill_spans_group_by_their_shape_in_order():

@@ -28,7 +28,7 @@ def _kernel() -> Callable[..., int] | None:
     return kernel_function(
         "prefill_attention_bf16",
         [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i32, i32,
-         ctypes.c_float, i32, ptr, ptr, ptr, i32, i32],
+         ctypes.c_float, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i64],
     )  # fmt: skip
 
 
@@ -87,27 +87,71 @@ def attend_batch(
     """`attend` for N sequences of one shape in one call ([N, L, H, D], [N, L, H]): W3's 30
     suffixes of 32 tokens cost ~50 us each as separate calls (buffers, threads, arguments),
     ~10x their arithmetic."""
+    if values.shape != keys.shape or keys.shape[0] != query.shape[0]:
+        return None
+    return _attend(query, keys, values, keys.shape[1], None, causal, scale, with_lse, engine)
+
+
+def attend_paged(
+    query: torch.Tensor,  # [N, L, H, D] bfloat16
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]: a layer's cache, read in place
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, blocks] int64: each sequence's first S keys' blocks
+    num_keys: int,  # S
+    causal: bool,
+    scale: float,
+    with_lse: bool = False,
+    engine: int = BEST,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`attend_batch` over keys that a bf16 paged cache holds, without gathering them first
+    (the kernel packs K and V from the blocks): W3's shared prefix, read by every step, cost a
+    gather of 2 x 1,024 x 3 x 64 values a layer.  Blocks of a multiple of 16 tokens."""
+    num_blocks, block_size = key_cache.shape[:2]
+    if (
+        value_cache.shape != key_cache.shape
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or block_tables.dtype != torch.int64
+        or block_tables.stride(1) != 1
+        or block_tables.shape[0] != query.shape[0]
+        or block_tables.shape[1] * block_size < num_keys
+    ):
+        return None
+    flat_k, flat_v = (
+        x.view(1, num_blocks * block_size, *x.shape[2:]) for x in (key_cache, value_cache)
+    )
+    table = (block_tables, block_size)
+    return _attend(query, flat_k, flat_v, num_keys, table, causal, scale, with_lse, engine)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,  # [N or 1, >= S, Hkv, D]
+    values: torch.Tensor,
+    num_keys: int,
+    table: tuple[torch.Tensor, int] | None,  # (block tables [N, blocks], block size)
+    causal: bool,
+    scale: float,
+    with_lse: bool,
+    engine: int,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     kernel = _kernel()
     if kernel is None or not all(_fits(x) for x in (query, keys, values)):
         return None
-    (num_seqs, num_query, num_heads, dim), (num_keys, num_kv_heads) = query.shape, keys.shape[1:3]
-    if (
-        causal
-        and num_keys < num_query
-        or num_heads % num_kv_heads
-        or values.shape != keys.shape
-        or keys.shape[0] != num_seqs
-    ):
+    (num_seqs, num_query, num_heads, dim), num_kv_heads = query.shape, keys.shape[2]
+    if causal and num_keys < num_query or num_heads % num_kv_heads:
         return None
     out_dtype = torch.float32 if with_lse else torch.bfloat16
     out = torch.empty((num_seqs, num_query, num_heads, dim), dtype=out_dtype)
     lse = torch.empty((num_seqs, num_query, num_heads), dtype=torch.float32) if with_lse else None
+    tables, block_size = table if table is not None else (None, 0)
     failed = kernel(
         query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), keys.stride(1),
         keys.stride(0), values.data_ptr(), values.stride(1), values.stride(0), num_seqs,
         num_query, num_keys, num_heads, num_kv_heads, dim, scale, int(causal),
         None if with_lse else out.data_ptr(), out.data_ptr() if with_lse else None,
         None if lse is None else lse.data_ptr(), engine, torch.get_num_threads(),
+        None if tables is None else tables.data_ptr(),
+        0 if tables is None else tables.stride(0), block_size,
     )  # fmt: skip
     if failed == 2:
         raise MemoryError("bf16 prefill attention: out of memory for its buffers")

@@ -149,6 +149,11 @@ class CpuPagedBackend(TorchRefBackend):
                 store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
             return super().forward(query, key, value, kv_cache, metadata, scale)
+        if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
+            # Decodes only, all past the prefix: the kernel stores their rows as it attends
+            # them (W3's decode steps: a separate write cost ~60 us a layer).
+            store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
+            return self._split_at_shared_prefix(query, kv_cache, metadata, scale, store)
         kv_cache.write(metadata.slot_mapping, key, value)
         if not inside:
             return self._split_at_shared_prefix(query, kv_cache, metadata, scale)
@@ -163,20 +168,32 @@ class CpuPagedBackend(TorchRefBackend):
         return out
 
     def _split_at_shared_prefix(
-        self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: LayerKVCache,
+        md: AttentionMetadata,
+        scale: float,
+        store: _NewRows | None = None,  # a decode-only step's new rows, stored by the kernel
     ) -> torch.Tensor:
         num_blocks = md.shared_prefix_blocks
         prefix_len = num_blocks * kv_cache.key.shape[1]
         first = md.decode_block_tables[0] if md.num_decode_tokens else md.prefills[0].block_table
-        keys, values = kv_cache.gather(first[:num_blocks], query.dtype)
-        out1, lse1 = shared_prefix.attention_with_lse(query, keys, values, None, scale)
+        paged = self._paged_kernel(query[None], kv_cache, first[None, :num_blocks], prefix_len,
+                                   False, scale, True)  # fmt: skip
+        if paged is not None:
+            out1, lse1 = paged[0][0], paged[1][0]  # type: ignore[index]
+        else:
+            keys, values = kv_cache.gather(first[:num_blocks], query.dtype)
+            out1, lse1 = shared_prefix.attention_with_lse(query, keys, values, None, scale)
         out2 = torch.empty(query.shape, dtype=torch.float32)
         lse2 = torch.empty(query.shape[:2], dtype=torch.float32)
         d = md.num_decode_tokens
         if d:
             tables = md.decode_block_tables[:, num_blocks:]
             lens = md.decode_seq_lens - prefix_len
-            out2[:d] = self._kernel_decode(query[:d], kv_cache, tables, lens, scale, lse2[:d])
+            out2[:d] = self._kernel_decode(
+                query[:d], kv_cache, tables, lens, scale, lse2[:d], store
+            )
         for spans in same_shape_groups(md.prefills):
             rows, out, lse = self._suffix_attention(query, kv_cache, spans, num_blocks, scale)
             out2[rows] = out if isinstance(rows, slice) else out.to(out2.dtype)
@@ -200,13 +217,17 @@ class CpuPagedBackend(TorchRefBackend):
         suffix_len = spans[0].seq_len - num_blocks * block_size
         num_query, own_blocks = spans[0].num_query, -(-suffix_len // block_size)
         tables = torch.stack([s.block_table[num_blocks : num_blocks + own_blocks] for s in spans])
-        keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
-        keys, values = keys[:, :suffix_len], values[:, :suffix_len]
         rows = _rows_of(spans)
         q = query[rows].view(len(spans), num_query, *query.shape[1:])
         # Each suffix's chunk ends it: the kernel's causal case.  30 x 32 tokens over their
         # 32 keys took SDPA's masked flash call ~1.8 ms a layer on an AVX512-BF16 CPU
         # without AMX.
+        result = self._paged_kernel(q, kv_cache, tables, suffix_len, True, scale, True)
+        if result is not None:
+            out, lse = result
+            return rows, out.flatten(0, 1), lse.flatten(0, 1)  # type: ignore[union-attr]
+        keys, values = kv_cache.gather(tables, query.dtype)  # [N, blocks x size, Hkv, D]
+        keys, values = keys[:, :suffix_len], values[:, :suffix_len]
         kernel = self._bf16_prefill and q.dtype == torch.bfloat16
         result = bf16_prefill.attend_batch(q, keys, values, True, scale, True) if kernel else None
         if result is not None:
@@ -247,8 +268,8 @@ class CpuPagedBackend(TorchRefBackend):
         out2, lse2 = shared_prefix.causal_attention_with_lse(query, key, value, scale)
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
 
-    @staticmethod
     def _kernel_prefill(
+        self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -263,10 +284,39 @@ class CpuPagedBackend(TorchRefBackend):
         if span.seq_len == query.shape[0]:
             keys, values = key, value
         else:
+            table = span.block_table[None]
+            paged = self._paged_kernel(query[None], kv_cache, table, span.seq_len, True, scale)
+            if paged is not None:
+                return paged[0][0]
             keys, values = kv_cache.gather(span.block_table, query.dtype)
             keys, values = keys[: span.seq_len], values[: span.seq_len]
         result = bf16_prefill.attend(query, keys, values, True, scale)
         return None if result is None else result[0]
+
+    def _paged_kernel(
+        self,
+        query: torch.Tensor,  # [N, L, H, D]
+        kv_cache: LayerKVCache,
+        tables: torch.Tensor,  # [N, blocks]: the blocks of each sequence's first num_keys keys
+        num_keys: int,
+        causal: bool,
+        scale: float,
+        with_lse: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """bf16_prefill.attend_paged (the keys read from the cache's blocks in place, no
+        gather) where it serves: bf16 queries over an unquantized bf16 cache, blocks of a
+        multiple of 16 tokens; else None."""
+        if not (
+            self._bf16_prefill
+            and query.dtype == torch.bfloat16
+            and kv_cache.key.dtype == torch.bfloat16
+            and not kv_cache.quantized
+        ):
+            return None
+        tables = tables.to(torch.int64).contiguous()
+        return bf16_prefill.attend_paged(
+            query, kv_cache.key, kv_cache.value, tables, num_keys, causal, scale, with_lse
+        )
 
     def _decode(
         self,

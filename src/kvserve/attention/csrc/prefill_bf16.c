@@ -13,7 +13,10 @@
  *
  *   q      [N, L, H, D] bf16: sequence n, token t, head h at q + n * q_batch + t * q_stride
  *          + h * D (elements); N sequences of one shape (W3's suffixes) in one call
- *   k, v   [N, S, Hkv, D] bf16: key j, KV head g at k + n * k_batch + j * k_stride + g * D
+ *   k, v   [N, S, Hkv, D] bf16: key j, KV head g at k + n * k_batch + j * k_stride + g * D;
+ *          or a paged cache [blocks, block_size, Hkv, D] (kv_table not NULL): sequence n's
+ *          key j in block kv_table[n * table_stride + j / block_size], slot j % block_size
+ *          (block_size a multiple of 16; k_batch unused)
  *   causal query t sees keys j <= t + (S - L) (the chunk is the last L of S tokens);
  *          else every key
  *   out    [N, L, H, D] contiguous: bf16 (out_bf16) or float32 (out_f32), one of the two
@@ -46,13 +49,30 @@
 
 #define TILE_WORDS 256 /* 16 rows x 64 bytes, as uint32 */
 
+/* Where one sequence's keys (or values) of one KV head lie: key j at base + j * stride, or, in
+ * a paged cache (table not NULL), in slot j % block_size of block table[j / block_size], whose
+ * first token is at base + table[...] * block_size * stride.  Reading the cache in place
+ * spares the caller a gather of the sequence's blocks (W3's 1,024-token prefix: ~86 us a
+ * layer, every step). */
+typedef struct {
+    const uint16_t *base;
+    int64_t stride;
+    const int64_t *table;
+    int64_t block_size;
+} kv_rows;
+
+static inline const uint16_t *kv_row(const kv_rows *r, int64_t j) {
+    if (!r->table) return r->base + j * r->stride;
+    return r->base + (r->table[j / r->block_size] * r->block_size + j % r->block_size) * r->stride;
+}
+
 /* K of one KV head as the B operand of Q x K^T: per block of 16 keys and 32 dimensions, a
  * tile whose row r holds dimensions (2r, 2r + 1) of each of the 16 keys (VNNI pairs): the
  * keys' 32-bit pairs, transposed, one gather per row (the scalar loop's 16 strided stores a
  * pair cost ~90 us a call for 1,024 keys x 3 KV heads, a quarter of a W3 decode step's call).
  * Keys past S are zero. */
-static void pack_keys(const uint16_t *k, int64_t k_stride, int64_t num_keys, int dim,
-                      uint32_t *packed) {
+static void pack_keys(const kv_rows *k, int64_t num_keys, int dim, uint32_t *packed) {
+    const int64_t k_stride = k->stride; /* 16 keys from one block: block_size % 16 == 0 */
     const int pairs = dim / 2;
     const int64_t blocks = (num_keys + 15) / 16;
     /* k_stride is even: a head size is a multiple of 32 */
@@ -62,7 +82,7 @@ static void pack_keys(const uint16_t *k, int64_t k_stride, int64_t num_keys, int
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t left = num_keys - b * 16;
         const __mmask16 live = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        const int *first = (const int *)(k + b * 16 * k_stride);
+        const int *first = (const int *)kv_row(k, b * 16);
         uint32_t *tiles = packed + b * (pairs / 16) * TILE_WORDS; /* row i: pair i's 16 keys */
         for (int i = 0; i < pairs; i++)
             _mm512_storeu_si512(tiles + i * 16, _mm512_mask_i32gather_epi32(
@@ -74,15 +94,14 @@ static void pack_keys(const uint16_t *k, int64_t k_stride, int64_t num_keys, int
  * tile whose row r holds keys (2r, 2r + 1) of each of the 16 dimensions, interleaved. */
 static const uint16_t NO_VALUES[256] __attribute__((aligned(64))); /* dim <= 256 */
 
-static void pack_values(const uint16_t *v, int64_t v_stride, int64_t num_keys, int dim,
-                        uint32_t *packed) {
+static void pack_values(const kv_rows *v, int64_t num_keys, int dim, uint32_t *packed) {
     const int dim_blocks = dim / 16;
     const int64_t blocks = (num_keys + 31) / 32;
     for (int64_t b = 0; b < blocks; b++)
         for (int r = 0; r < 16; r++) {
             const int64_t k0 = b * 32 + 2 * r;
-            const uint16_t *even = k0 < num_keys ? v + k0 * v_stride : NO_VALUES;
-            const uint16_t *odd = k0 + 1 < num_keys ? v + (k0 + 1) * v_stride : NO_VALUES;
+            const uint16_t *even = k0 < num_keys ? kv_row(v, k0) : NO_VALUES;
+            const uint16_t *odd = k0 + 1 < num_keys ? kv_row(v, k0 + 1) : NO_VALUES;
             for (int db = 0; db < dim_blocks; db++) {
                 __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(even + db * 16)));
                 __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(odd + db * 16)));
@@ -384,12 +403,14 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
                            const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
                            int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int engine, int num_threads) {
+                           float *lse, int engine, int num_threads, const int64_t *kv_table,
+                           int64_t table_stride, int64_t kv_block_size) {
 #if !PREFILL_HAS_VECTORS /* this build has no AVX512-BF16: the caller keeps SDPA */
     (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
     (void)q_batch, (void)k_batch, (void)v_batch, (void)num_seqs;
     (void)num_query, (void)num_keys, (void)num_heads, (void)num_kv_heads, (void)dim;
     (void)scale, (void)causal, (void)out_bf16, (void)out_f32, (void)lse, (void)num_threads;
+    (void)kv_table, (void)table_stride, (void)kv_block_size;
     return 1;
 #else
 #if PREFILL_HAS_AMX
@@ -399,7 +420,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
     (void)engine;
 #endif
     if (dim % 32 || dim > 256 || num_heads % num_kv_heads || num_keys < 1 || num_seqs < 1 ||
-        num_query < 1 || (causal && num_keys < num_query))
+        num_query < 1 || (causal && num_keys < num_query) ||
+        (kv_table && (kv_block_size < 16 || kv_block_size % 16)))
         return 1;
     const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
     prefill_args a = {q, q_stride, q_batch, num_query, num_keys, num_heads,
@@ -420,11 +442,15 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < 2 * packed_heads; i++) { /* (sequence, KV head), K and V */
             const int64_t head = i / 2, seq = head / num_kv_heads, g = head % num_kv_heads;
+            const int64_t *table = kv_table ? kv_table + seq * table_stride : NULL;
+            const kv_rows keys = {k + (table ? 0 : seq * k_batch) + g * dim, k_stride, table,
+                                  kv_block_size};
+            const kv_rows values = {v + (table ? 0 : seq * v_batch) + g * dim, v_stride, table,
+                                    kv_block_size};
             if (i % 2 == 0)
-                pack_keys(k + seq * k_batch + g * dim, k_stride, num_keys, dim,
-                          (uint32_t *)a.keys + head * a.keys_per_head);
+                pack_keys(&keys, num_keys, dim, (uint32_t *)a.keys + head * a.keys_per_head);
             else
-                pack_values(v + seq * v_batch + g * dim, v_stride, num_keys, dim,
+                pack_values(&values, num_keys, dim,
                             (uint32_t *)a.values + head * a.values_per_head);
         }
         block_work w = {0};
