@@ -65,12 +65,12 @@ def decode_case(kv_dtype: str, heads: int, kv_heads: int, dim: int, block_size: 
     return query, cache, md, scale, TorchRefBackend()._decode(query, cache, md, scale)
 
 
-def mixed_step(block_size: int, gen: torch.Generator, device=CPU):
-    """3 decodes, then 3 prefill spans: a fresh prompt, a chunk after 21 cached tokens, and a
-    200-token chunk (two query tiles) after 37; every new token gets a fresh slot.
-    Returns (metadata, num_blocks, num_tokens)."""
+def mixed_step(block_size: int, gen: torch.Generator, device=CPU, prefills=None):
+    """3 decodes, then prefill spans (cached tokens, new tokens), by default 3: a fresh
+    prompt, a chunk after 21 cached tokens, and a 200-token chunk (two query tiles) after 37;
+    every new token gets a fresh slot.  Returns (metadata, num_blocks, num_tokens)."""
     decode_contexts = [5, block_size, 40]  # tokens cached before this step's one
-    prefills = [(0, 11), (21, 9), (37, 200)]  # (cached tokens, new tokens)
+    prefills = prefills or [(0, 11), (21, 9), (37, 200)]
     lengths = [n + 1 for n in decode_contexts] + [c + n for c, n in prefills]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     order = torch.randperm(num_blocks, generator=gen)

@@ -148,8 +148,10 @@ def test_a_batch_of_sequences_gives_each_sequences_own_attention(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
-@pytest.mark.parametrize(("block_size", "num_keys", "causal"), [(16, 1024, False), (32, 77, True),
-                                                               (16, 300, True), (64, 100, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("block_size", "num_keys", "causal"),
+    [(16, 1024, False), (32, 77, True), (16, 300, True), (64, 100, False)],
+)
 def test_keys_read_in_place_from_a_paged_cache_equal_the_gathered_keys(
     engine, block_size, num_keys, causal
 ):

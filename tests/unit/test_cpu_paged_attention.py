@@ -222,3 +222,36 @@ def test_chunks_after_cached_context_equal_reference(kv_dtype):
         assert torch.equal(mine, theirs)
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+
+
+def test_fresh_prompts_of_one_length_attend_in_one_call_as_they_do_alone(monkeypatch):
+    """W1's steps: whole prompts of one length, adjacent in the batch, go to the bf16 kernel
+    as one batch (here 3 x 37 and 2 x 20 tokens, beside decodes and a chunk after context).
+    Outputs equal, bit for bit, those of one call per prompt, and the reference's."""
+    from kvserve.attention import bf16_prefill
+
+    if not bf16_prefill.prefill_kernel_available():
+        pytest.skip("no bf16 prefill kernel on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    prefills = [(0, 37), (0, 37), (0, 37), (21, 9), (0, 20), (0, 20)]
+    md, num_blocks, num_tokens = mixed_step(16, gen, prefills=prefills)
+    q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
+    backend = select_backend("cpu-paged", torch.device("cpu"))
+    batches = []
+    real = type(backend)._fresh_prompts
+
+    def counting(self, *args):
+        done = real(self, *args)
+        batches.append(done)
+        return done
+
+    outputs = []
+    for fresh in (counting, lambda self, *args: False):
+        monkeypatch.setattr(type(backend), "_fresh_prompts", fresh)
+        cache = filled_cache("bfloat16", num_blocks, 16, 3, 64, gen.manual_seed(9))
+        outputs.append(backend.forward(q, k, v, cache, md, 0.125))
+    assert batches == [True, False, True]  # 3 x 37, the chunk after context, 2 x 20
+    assert torch.equal(outputs[0], outputs[1])
+    cache = filled_cache("bfloat16", num_blocks, 16, 3, 64, gen.manual_seed(9))
+    expected = TorchRefBackend().forward(q, k, v, cache, md, 0.125)
+    torch.testing.assert_close(outputs[0], expected, atol=1e-2, rtol=1e-2)
