@@ -7,6 +7,12 @@ backends look faster than they run in the engine.
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/attention_decode.py \\
         --batch 45 --context 340
+
+On a CPU with AMX, --amx-ab times the bf16 cache's two kernel paths against each other (scores
+on AMX tiles, or vdpbf16ps dot products), alternating, at W1's decode shape:
+
+    .venv/bin/python benchmarks/attention_decode.py --batch 128 --context 320 \\
+        --num-blocks 2600 --amx-ab
 """
 
 from __future__ import annotations
@@ -74,7 +80,11 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=1456, help="512 MiB of float32 / 30 layers")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--amx-ab", action="store_true", help="bf16 only: AMX scores on vs off")
     args = p.parse_args()
+    if args.amx_ab:
+        amx_ab(args)
+        return
     cpu = torch.device("cpu")
     reference, paged = select_backend("torch", cpu), select_backend("cpu-paged", cpu)
     md = scattered_metadata(args)
@@ -101,6 +111,30 @@ def main() -> None:
         print(f"| {kv_dtype} | {ref_s * 1e3:.2f} | {new_s * 1e3:.2f} | {ref_s / new_s:.1f}x "
               f"| {diff:.1e} |")  # fmt: skip
         del layers
+
+
+def amx_ab(args: argparse.Namespace) -> None:
+    """The bf16 cache's decode with the AMX scores off and on, alternating, --repeats rounds."""
+    from kvserve.attention.cpu_kernels import use_amx_decode
+
+    paged = select_backend("cpu-paged", torch.device("cpu"))
+    layers, md = make_layers("bfloat16", args), scattered_metadata(args)
+    query = torch.randn(args.batch, args.heads, args.head_dim).bfloat16().float()
+    scale = args.head_dim**-0.5
+    times: dict[bool, list[float]] = {False: [], True: []}
+
+    def decode(layer: object) -> None:
+        paged._decode(query, layer, md, scale)
+
+    try:
+        for _ in range(args.repeats):
+            for amx in (False, True):
+                use_amx_decode(amx)
+                times[amx].append(seconds_per_call(decode, layers, 1))
+    finally:
+        use_amx_decode(True)
+    for amx, label in ((False, "vdpbf16ps scores"), (True, "AMX scores")):
+        print(f"{label}: " + ", ".join(f"{t * 1e3:.3f}" for t in times[amx]) + " ms a layer")
 
 
 if __name__ == "__main__":
