@@ -404,20 +404,26 @@ static inline __m512 chunk_f32(int kind, const void *row, int c) {
 /* acc[g] (dim floats, g < GS, `stride` apart) += sum over the n rows of w[g * 16 + o] x V row o.
  * The GS x C accumulators stay in registers for the whole span and each V chunk is converted
  * once for all GS heads: p x V is then a handful of FMAs per loaded value. */
+/* a[g][c] += weight(g) x chunk c of one stored row, for the GS heads of a group: each chunk
+ * widened once, then one FMA per head (the accumulators of DEFINE_PV and DEFINE_PV_SEQ). */
+#define PV_ROW(GS, C, kind, row, weight)                                                       \
+    for (int c = 0; c < C; c++) {                                                              \
+        __m512 v = chunk_f32(kind, row, c);                                                    \
+        for (int g = 0; g < GS; g++)                                                           \
+            a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weight), v, a[g][c]);                     \
+    }
+#define PV_STORE(GS, C)                                                                        \
+    for (int g = 0; g < GS; g++)                                                               \
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);
+
 #define DEFINE_PV(GS, C)                                                                       \
     static void pv_##GS##_##C(float *acc, int64_t stride, const float *w,                     \
                               const void *const *rows, int n, int kind) {                      \
         __m512 a[GS][C];                                                                       \
         for (int g = 0; g < GS; g++)                                                           \
             for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc + g * stride + 16 * c);  \
-        for (int o = 0; o < n; o++)                                                            \
-            for (int c = 0; c < C; c++) {                                                      \
-                __m512 v = chunk_f32(kind, rows[o], c);                                        \
-                for (int g = 0; g < GS; g++)                                                   \
-                    a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * 16 + o]), v, a[g][c]);      \
-            }                                                                                  \
-        for (int g = 0; g < GS; g++)                                                           \
-            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);  \
+        for (int o = 0; o < n; o++) PV_ROW(GS, C, kind, rows[o], w[g * 16 + o])                \
+        PV_STORE(GS, C)                                                                        \
     }
 DEFINE_PV(1, 2) DEFINE_PV(2, 2) DEFINE_PV(3, 2) DEFINE_PV(4, 2)
 DEFINE_PV(5, 2) DEFINE_PV(6, 2) DEFINE_PV(7, 2) DEFINE_PV(8, 2)
@@ -742,17 +748,10 @@ static __m512 softmax_columns(float *scores, int64_t seq_len, float sm_scale, fl
         for (int64_t b = 0, t = 0; t < seq_len; b++) {                                         \
             prefetch_next_part(key, value, next, block_bytes, part0 + b, parts);               \
             const char *block = value + table[b] * block_bytes + head_offset;                  \
-            for (int o = 0; o < block_size && t < seq_len; o++, t++) {                         \
-                const uint16_t *row = (const uint16_t *)(block + o * row_stride);              \
-                for (int c = 0; c < C; c++) {                                                  \
-                    __m512 v = chunk_f32(KV_BF16, row, c);                                     \
-                    for (int g = 0; g < GS; g++)                                               \
-                        a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * 16 + g]), v, a[g][c]);  \
-                }                                                                              \
-            }                                                                                  \
+            for (int o = 0; o < block_size && t < seq_len; o++, t++)                           \
+                PV_ROW(GS, C, KV_BF16, block + o * row_stride, p[t * 16 + g])                  \
         }                                                                                      \
-        for (int g = 0; g < GS; g++)                                                           \
-            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + g * stride + 16 * c, a[g][c]);  \
+        PV_STORE(GS, C)                                                                        \
     }
 DEFINE_PV_SEQ(1, 2) DEFINE_PV_SEQ(2, 2) DEFINE_PV_SEQ(3, 2) DEFINE_PV_SEQ(4, 2)
 DEFINE_PV_SEQ(5, 2) DEFINE_PV_SEQ(6, 2) DEFINE_PV_SEQ(7, 2) DEFINE_PV_SEQ(8, 2)
@@ -771,7 +770,8 @@ static const pv_seq_fn PV_SEQ_BY_SHAPE[9][9] = { /* [C][GS]: dim 32, 64, 128 */
 
 /* Floats of work attend_sequence_amx needs for sequences of up to `longest` tokens. */
 static size_t amx_work_floats(int64_t longest, int num_kv_heads, int dim) {
-    return (size_t)16 * ((longest + 15) / 16 * 16) + (size_t)num_kv_heads * (dim / 32) * QTILE_WORDS / 2;
+    const size_t scores = (size_t)16 * ((longest + 15) / 16 * 16);
+    return scores + (size_t)num_kv_heads * (dim / 32) * QTILE_WORDS / 2; /* + the query tiles */
 }
 
 /* One sequence over a bf16 cache with bf16-exact queries, its scores on AMX tiles (the calling
