@@ -62,6 +62,8 @@ def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_
 
 
 def _amx_decode_here() -> bool:
+    if not paged_decode_available():  # no kernel to ask (the module is skipped anyway)
+        return False
     was = use_amx_decode(True)
     use_amx_decode(was)
     return was

@@ -12,6 +12,7 @@ SDPA's blocked kernels are faster there.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -148,7 +149,7 @@ class CpuPagedBackend(TorchRefBackend):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
                 store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
-            return self._unshared(query, key, value, kv_cache, metadata, scale)
+            return super().forward(query, key, value, kv_cache, metadata, scale)
         if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
             # Decodes only, all past the prefix: the kernel stores their rows as it attends
             # them (W3's decode steps: a separate write cost ~60 us a layer).
@@ -167,35 +168,22 @@ class CpuPagedBackend(TorchRefBackend):
         out[rows] = self._split_at_shared_prefix(query[rows], kv_cache, sharing, scale)
         return out
 
-    def _unshared(
+    def _prefills(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: LayerKVCache,
-        md: AttentionMetadata,
+        spans: Sequence[PrefillSpan],
         scale: float,
-    ) -> torch.Tensor:
-        """The reference's steps (store, decodes, each prefill chunk), with fresh prompts of
-        one length that follow each other in the batch attended in one kernel call: W1's
-        steps of 8 prompts of 256 tokens made 8 calls a layer, ~0.25 ms more than one."""
-        kv_cache.write(md.slot_mapping, key, value)
-        if not md.prefills:
-            return self._decode(query, kv_cache, md, scale)
-        out = torch.empty_like(query)
-        if md.num_decode_tokens:
-            out[: md.num_decode_tokens] = self._decode(
-                query[: md.num_decode_tokens], kv_cache, md, scale
-            )
-        for spans in same_shape_groups(md.prefills):
-            if self._fresh_prompts(query, key, value, out, spans, scale):
-                continue
-            for span in spans:
-                rows = slice(span.query_start, span.query_end)
-                out[rows] = self._prefill(
-                    query[rows], key[rows], value[rows], kv_cache, span, scale
-                )
-        return out
+        out: torch.Tensor,
+    ) -> None:
+        """The reference's chunks, with fresh prompts of one length that follow each other in
+        the batch attended in one kernel call: W1's steps of 8 prompts of 256 tokens made 8
+        calls a layer, ~0.25 ms more than one."""
+        for group in same_shape_groups(tuple(spans)):
+            if not self._fresh_prompts(query, key, value, out, group, scale):
+                super()._prefills(query, key, value, kv_cache, group, scale, out)
 
     def _fresh_prompts(
         self,

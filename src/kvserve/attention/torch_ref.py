@@ -7,6 +7,8 @@ span is one SDPA call (per sequence, never per token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -37,10 +39,23 @@ class TorchRefBackend:
         num_decode = metadata.num_decode_tokens
         if num_decode:
             out[:num_decode] = self._decode(query[:num_decode], kv_cache, metadata, scale)
-        for span in metadata.prefills:
+        self._prefills(query, key, value, kv_cache, metadata.prefills, scale, out)
+        return out
+
+    def _prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        spans: Sequence[PrefillSpan],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prefill chunk's attention into its rows of `out`."""
+        for span in spans:
             rows = slice(span.query_start, span.query_end)
             out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
-        return out
 
     def _decode(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float

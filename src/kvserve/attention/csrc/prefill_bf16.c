@@ -425,8 +425,9 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
         return 1;
     const int64_t key_blocks = (num_keys + 15) / 16, pair_blocks = (num_keys + 31) / 32;
     prefill_args a = {q, q_stride, q_batch, num_query, num_keys, num_heads,
-                      num_heads / num_kv_heads, dim, causal, use_amx, scale, NULL, NULL, key_blocks * (dim / 32) * TILE_WORDS,
-                      pair_blocks * (dim / 16) * TILE_WORDS, out_bf16, out_f32, lse};
+                      num_heads / num_kv_heads, dim, causal, use_amx, scale, NULL, NULL,
+                      key_blocks * (dim / 32) * TILE_WORDS, pair_blocks * (dim / 16) * TILE_WORDS,
+                      out_bf16, out_f32, lse};
     const int64_t packed_heads = num_seqs * num_kv_heads;
     uint32_t *packed = aligned_alloc(64, (size_t)(a.keys_per_head + a.values_per_head) *
                                              packed_heads * sizeof(uint32_t));
