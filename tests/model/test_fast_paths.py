@@ -144,7 +144,7 @@ def test_small_batches_through_the_amx_kernel_give_onednn_values():
             if layer.amx_rows == 0:
                 pytest.skip("no AMX kernel on this CPU")
             assert layer.amx_rows == AMX_MAX_ROWS
-            for rows in (1, 16, 33, AMX_MAX_ROWS):
+            for rows in (1, 16, 33, 100, AMX_MAX_ROWS):
                 x = torch.randn(rows, in_features).to(torch.bfloat16)
                 got = layer(x)
                 layer.amx_rows = 0

@@ -23,7 +23,9 @@ logger = logging.getLogger("kvserve")
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 # Up to this many rows (a decode step's), bfloat16 projections go through csrc/linear_amx.c,
 # which streams oneDNN's packed weight faster than oneDNN does at these sizes (see there).
-AMX_MAX_ROWS = 64
+# 128 since its later passes over a block ask for the next one: W1's 128-row decode step
+# 105 -> 101 ms (docs/benchmarks.md, tenth round); at 256 rows oneDNN is as fast.
+AMX_MAX_ROWS = 128
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -7,7 +7,9 @@
  * cores, where a plain read runs at ~26: a decode step of a small batch is bound by how fast
  * its weights stream, and the arithmetic (on AMX) is a small part of it.  Here each thread
  * walks its own run of 32-column weight blocks once, for all the rows, with the rows' tiles
- * reloaded from L1/L2.
+ * reloaded from L1/L2; with more than 32 rows the passes after a block's first ask for the
+ * next block into L2 (next_block_slice): 128 rows x the model's projections, 22.1 -> 20.8 ms
+ * a step (benchmarks in docs/benchmarks.md, tenth round).
  *
  * Layout (bf16 elements): W[n][k] at ((n / 32) * (K / 2) + k / 2) * 64 + (n % 32) * 2 + k % 2,
  * N padded to 32: per block of 32 columns, K / 2 lines of 128 bytes, each a pair of k for 32
@@ -25,6 +27,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
+#include <omp.h>
 #include "amx_tiles.h"
 #include "vec_exp.h"
 
@@ -38,19 +41,27 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
-/* Columns [32 nb, 32 nb + 32) of rows [r0, r0 + 16 * row_tiles) (row_tiles 1 or 2). */
+/* Columns [32 nb, 32 nb + 32) of rows [r0, r0 + 16 * row_tiles) (row_tiles 1 or 2).
+ * fetch, when not NULL: `fetch_lines` cache lines from there are asked into L2, spread over the
+ * k-steps (see next_block_slice). */
 static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *block, int64_t k,
-                         int row_tiles, float *acc) {
+                         int row_tiles, float *acc, const char *fetch, int64_t fetch_lines) {
+    const int64_t steps = k / 32, per_step = (fetch_lines + steps - 1) / steps;
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    for (int64_t kb = 0; kb < k / 32; kb++) {
+    for (int64_t kb = 0; kb < steps; kb++) {
         const uint16_t *b = block + kb * 16 * 64;
-        /* The weight lines PREFETCH_AHEAD k-steps on (into the next block past the last):
-         * the stream's memory requests kept in flight while the tiles compute. */
-        const char *ahead = (const char *)(b + PREFETCH_AHEAD * 16 * 64);
-        for (int line = 0; line < 32; line++) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+        if (fetch) {
+            for (int64_t line = kb * per_step; line < (kb + 1) * per_step && line < fetch_lines; line++)
+                _mm_prefetch(fetch + line * 64, _MM_HINT_T1);
+        } else {
+            /* The weight lines PREFETCH_AHEAD k-steps on (into the next block past the last):
+             * the stream's memory requests kept in flight while the tiles compute. */
+            const char *ahead = (const char *)(b + PREFETCH_AHEAD * 16 * 64);
+            for (int line = 0; line < 32; line++) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+        }
         _tile_loadd(2, b, 128);
         _tile_loadd(3, b + 32, 128);
         _tile_loadd(0, x + kb * 32, x_stride * 2);
@@ -70,18 +81,44 @@ static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *bl
     }
 }
 
+/* With more than 32 rows a weight block is used once per 32 rows: the first pass streams it
+ * from memory, the later ones read it from the caches while the memory bus idles.  Those later
+ * passes ask for the thread's next block (into L2), a slice each, so that the stream never
+ * stops.  Slice `pass - 1` of `passes - 1` of the block at `next` (NULL: no next block). */
+static inline const char *next_block_slice(const uint16_t *next, int64_t k, int64_t pass,
+                                           int64_t passes, int64_t *lines) {
+    if (!next || pass == 0) {
+        *lines = 0;
+        return NULL;
+    }
+    /* a block: k / 2 lines of 64 bf16 = 64 k bytes = k cache lines */
+    const int64_t block_lines = k, per_pass = (block_lines + passes - 2) / (passes - 1);
+    const int64_t first = (pass - 1) * per_pass;
+    *lines = first >= block_lines ? 0 : block_lines - first < per_pass ? block_lines - first : per_pass;
+    return (const char *)next + first * 64;
+}
+
+/* [*begin, *end): thread `t` of `threads`' contiguous share of `count` items. */
+static inline void thread_share(int64_t count, int t, int threads, int64_t *begin, int64_t *end) {
+    *begin = count * t / threads;
+    *end = count * (t + 1) / threads;
+}
+
 int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                     const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
                     int64_t k, int num_threads) {
     if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
     const int64_t blocks = (n + 31) / 32;
+    const int64_t passes = (m + 31) / 32, block_elems = (k / 2) * 64;
     #pragma omp parallel num_threads(num_threads)
     {
         float acc[32 * 32];
+        int64_t first, last;
+        thread_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
         amx_configure_tiles();
-        #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            const uint16_t *block = weight + nb * (k / 2) * 64;
+        for (int64_t nb = first; nb < last; nb++) {
+            const uint16_t *block = weight + nb * block_elems;
+            const uint16_t *next = nb + 1 < last ? block + block_elems : NULL;
             const int cols = n - nb * 32 < 32 ? (int)(n - nb * 32) : 32;
             const __mmask32 live = cols == 32 ? 0xffffffffu : (__mmask32)((1ull << cols) - 1);
             __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -91,7 +128,9 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
             }
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int row_tiles = m - r0 >= 32 ? 2 : 1;
-                column_block(x + r0 * x_stride, x_stride, block, k, row_tiles, acc);
+                int64_t lines;
+                const char *fetch = next_block_slice(next, k, r0 / 32, passes, &lines);
+                column_block(x + r0 * x_stride, x_stride, block, k, row_tiles, acc, fetch, lines);
                 for (int r = 0; r < 16 * row_tiles; r++) {
                     __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0);
                     __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1);
@@ -115,18 +154,27 @@ int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *w
                           uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
                           int64_t k, int num_threads) {
     if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
-    const int64_t pairs = features / 32;
+    const int64_t pairs = features / 32, passes = (m + 31) / 32, block_elems = (k / 2) * 64;
     #pragma omp parallel num_threads(num_threads)
     {
         float gate[32 * 32], up[32 * 32];
+        int64_t first, last;
+        thread_share(pairs, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
         amx_configure_tiles();
-        #pragma omp for schedule(static)
-        for (int64_t j = 0; j < pairs; j++) {
+        for (int64_t j = first; j < last; j++) {
+            const uint16_t *gate_block = weight + j * block_elems;
+            const uint16_t *up_block = weight + (j + pairs) * block_elems;
+            const int more = j + 1 < last;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int row_tiles = m - r0 >= 32 ? 2 : 1;
                 const uint16_t *rows = x + r0 * x_stride;
-                column_block(rows, x_stride, weight + j * (k / 2) * 64, k, row_tiles, gate);
-                column_block(rows, x_stride, weight + (j + pairs) * (k / 2) * 64, k, row_tiles, up);
+                int64_t lines;
+                const char *fetch = next_block_slice(more ? gate_block + block_elems : NULL, k,
+                                                     r0 / 32, passes, &lines);
+                column_block(rows, x_stride, gate_block, k, row_tiles, gate, fetch, lines);
+                fetch = next_block_slice(more ? up_block + block_elems : NULL, k, r0 / 32,
+                                         passes, &lines);
+                column_block(rows, x_stride, up_block, k, row_tiles, up, fetch, lines);
                 for (int r = 0; r < 16 * row_tiles; r++) {
                     __m512 lo = silu_times16(_mm512_loadu_ps(gate + r * 32), _mm512_loadu_ps(up + r * 32));
                     __m512 hi = silu_times16(_mm512_loadu_ps(gate + r * 32 + 16),
