@@ -225,6 +225,7 @@ def _open(path: Path) -> ctypes.CDLL:
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr, i32]
     fn.argtypes += [ptr, ptr, ctypes.c_int64, ctypes.c_int64, ptr]  # new K/V rows stored
+    fn.argtypes += [ptr, ptr]  # attention over other keys merged in
     fn.restype = i32
     lib.bind_omp_threads.argtypes, lib.bind_omp_threads.restype = [ptr, i32], i32
     store = lib.kv_quantize_store

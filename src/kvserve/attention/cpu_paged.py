@@ -231,12 +231,16 @@ class CpuPagedBackend(TorchRefBackend):
         else:
             keys, values = kv_cache.gather(first[:num_blocks], query.dtype)
             out1, lse1 = shared_prefix.attention_with_lse(query, keys, values, None, scale)
+        d = md.num_decode_tokens
+        tables = md.decode_block_tables[:, num_blocks:]
+        lens = md.decode_seq_lens - prefix_len
+        if d and not md.prefills:  # the kernel merges the prefix's part into each decode's
+            prior = (out1.float().contiguous(), lse1.contiguous())
+            out = self._kernel_decode(query, kv_cache, tables, lens, scale, None, store, prior)
+            return out.to(query.dtype)
         out2 = torch.empty(query.shape, dtype=torch.float32)
         lse2 = torch.empty(query.shape[:2], dtype=torch.float32)
-        d = md.num_decode_tokens
         if d:
-            tables = md.decode_block_tables[:, num_blocks:]
-            lens = md.decode_seq_lens - prefix_len
             out2[:d] = self._kernel_decode(
                 query[:d], kv_cache, tables, lens, scale, lse2[:d], store
             )
@@ -392,6 +396,7 @@ class CpuPagedBackend(TorchRefBackend):
         scale: float,
         lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
         store: _NewRows | None = None,  # rows the kernel stores before attending
+        prior: tuple[torch.Tensor, torch.Tensor] | None = None,  # merged in (see the kernel)
     ) -> torch.Tensor:  # [B, H, D]: bfloat16 for bfloat16 queries without lse, else float32
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads, block_size = kv_cache.key.shape[2], kv_cache.key.shape[1]
@@ -409,6 +414,7 @@ class CpuPagedBackend(TorchRefBackend):
             num_seqs, tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
             block_size, scale, torch.get_num_threads(), _ptr(lse), int(io_bf16),
             *(_NO_ROWS if store is None else store.kernel_args()),
+            *((None, None) if prior is None else (_ptr(prior[0]), _ptr(prior[1]))),
         )  # fmt: skip
         if failed:
             raise MemoryError("paged decode attention: out of memory for its score buffer")
