@@ -6,9 +6,10 @@
  * 64) at ~240 GFLOP/s on two AMX cores, 373 us a layer, of which the exponentials are ~30 us:
  * its matrix products, not its softmax, held it back.  On an AVX512-BF16 CPU without AMX
  * (AMD Zen 4/5) the same call took ~1.1 ms.  Here both products run on AMX tiles or on
- * vdpbf16ps, and the softmax is exact and in two passes per block of 16 query rows (as in
+ * vdpbf16ps, and the softmax is in two passes per block of 16 query rows (as in
  * paged_decode.c): every score of the block first (16 x keys floats, in L2), then one max,
- * exp and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
+ * exp (vec_exp.h's exp2_16_for_bf16, within 2.7e-6, far below the bf16 rounding that
+ * follows) and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
  * kernel rounds them.  No running maxima, no rescaling.
  *
  *   q      [N, L, H, D] bf16: sequence n, token t, head h at q + n * q_batch + t * q_stride
@@ -302,13 +303,15 @@ static void row_softmax(block_work *w, int m, int64_t limit, int64_t padded, int
     }
     const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]),
                                                         _mm512_max_ps(top[2], top[3]))) * scale;
-    const __m512 vscale = _mm512_set1_ps(scale), vmx = _mm512_set1_ps(mx);
+    /* e^(s scale - mx) as 2^(s scale log2(e) - mx log2(e)) */
+    const float log2e = 1.4426950408889634f;
+    const __m512 vscale = _mm512_set1_ps(scale * log2e), vmx = _mm512_set1_ps(mx * log2e);
     __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                      _mm512_setzero_ps()};
     for (j = 0; j < whole; j += 64) {
         __m512 e[4];
         for (int i = 0; i < 4; i++) {
-            e[i] = exp16_scalef(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16 * i), vscale, vmx));
+            e[i] = exp2_16_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16 * i), vscale, vmx));
             sum[i] = _mm512_add_ps(sum[i], e[i]);
         }
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -316,8 +319,8 @@ static void row_softmax(block_work *w, int m, int64_t limit, int64_t padded, int
     }
     for (; j < padded; j += 32) { /* padded: a multiple of 32 */
         __mmask16 l0 = live_lanes(j, limit), l1 = live_lanes(j + 16, limit);
-        __m512 e0 = _mm512_maskz_mov_ps(l0, exp16_scalef(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l0, s + j), vscale, vmx)));
-        __m512 e1 = _mm512_maskz_mov_ps(l1, exp16_scalef(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l1, s + j + 16), vscale, vmx)));
+        __m512 e0 = _mm512_maskz_mov_ps(l0, exp2_16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l0, s + j), vscale, vmx)));
+        __m512 e1 = _mm512_maskz_mov_ps(l1, exp2_16_for_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(l1, s + j + 16), vscale, vmx)));
         sum[0] = _mm512_add_ps(sum[0], e0);
         sum[1] = _mm512_add_ps(sum[1], e1);
         _mm512_storeu_si512((void *)(p + j), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
