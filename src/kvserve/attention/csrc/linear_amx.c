@@ -7,9 +7,8 @@
  * cores, where a plain read runs at ~26: a decode step of a small batch is bound by how fast
  * its weights stream, and the arithmetic (on AMX) is a small part of it.  Here each thread
  * walks its own run of 32-column weight blocks once, for all the rows, with the rows' tiles
- * reloaded from L1/L2; with more than 32 rows the passes after a block's first ask for the
- * next block into L2 (next_block_slice): 128 rows x the model's projections, 22.1 -> 20.8 ms
- * a step (benchmarks in docs/benchmarks.md, tenth round).
+ * reloaded from L1/L2; with more than 32 rows the passes over a block ask for the next block
+ * into L2 (next_block_slice; benchmarks in docs/benchmarks.md, tenth round).
  *
  * Layout (bf16 elements): W[n][k] at ((n / 32) * (K / 2) + k / 2) * 64 + (n % 32) * 2 + k % 2,
  * N padded to 32: per block of 32 columns, K / 2 lines of 128 bytes, each a pair of k for 32
@@ -45,7 +44,8 @@ static inline float bf16_value(uint16_t h) {
  * fetch, when not NULL: `fetch_lines` cache lines from there are asked into L2, spread over the
  * k-steps (see next_block_slice). */
 static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *block, int64_t k,
-                         int row_tiles, float *acc, const char *fetch, int64_t fetch_lines) {
+                         int row_tiles, float *acc, const char *fetch, int64_t fetch_lines,
+                         int first_pass) {
     const int64_t steps = k / 32, per_step = (fetch_lines + steps - 1) / steps;
     _tile_zero(4);
     _tile_zero(5);
@@ -53,10 +53,9 @@ static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *bl
     _tile_zero(7);
     for (int64_t kb = 0; kb < steps; kb++) {
         const uint16_t *b = block + kb * 16 * 64;
-        if (fetch) {
-            for (int64_t line = kb * per_step; line < (kb + 1) * per_step && line < fetch_lines; line++)
-                _mm_prefetch(fetch + line * 64, _MM_HINT_T1);
-        } else {
+        for (int64_t line = kb * per_step; line < (kb + 1) * per_step && line < fetch_lines; line++)
+            _mm_prefetch(fetch + line * 64, _MM_HINT_T1);
+        if (first_pass) {
             /* The weight lines PREFETCH_AHEAD k-steps on (into the next block past the last):
              * the stream's memory requests kept in flight while the tiles compute. */
             const char *ahead = (const char *)(b + PREFETCH_AHEAD * 16 * 64);
@@ -81,21 +80,23 @@ static void column_block(const uint16_t *x, int64_t x_stride, const uint16_t *bl
     }
 }
 
-/* With more than 32 rows a weight block is used once per 32 rows: the first pass streams it
- * from memory, the later ones read it from the caches while the memory bus idles.  Those later
- * passes ask for the thread's next block (into L2), a slice each, so that the stream never
- * stops.  Slice `pass - 1` of `passes - 1` of the block at `next` (NULL: no next block). */
+/* A weight block is used once per 32 rows: without help, the first pass over it waits for
+ * memory and the later ones (from the caches) leave the memory bus idle.  The passes ask for
+ * slices of the thread's next block (into L2), so that the stream runs under their arithmetic:
+ * with 3 or more passes every pass takes a slice (128 rows x the embedded model's projections:
+ * 22.1 -> 20.8 ms with the later passes alone, -> 19.9-20.6 with all of them); with 2, only
+ * the second (all of them measured 2-4% slower at 48-64 rows).  Pass `pass` of `passes` over
+ * the current block: where its slice of the block at `next` (NULL: no next block) starts,
+ * and in *lines how many lines it has. */
 static inline const char *next_block_slice(const uint16_t *next, int64_t k, int64_t pass,
                                            int64_t passes, int64_t *lines) {
-    if (!next || pass == 0) {
-        *lines = 0;
-        return NULL;
-    }
+    const int64_t from = passes >= 3 ? 0 : 1, slices = passes - from;
     /* a block: k / 2 lines of 64 bf16 = 64 k bytes = k cache lines */
-    const int64_t block_lines = k, per_pass = (block_lines + passes - 2) / (passes - 1);
-    const int64_t first = (pass - 1) * per_pass;
-    *lines = first >= block_lines ? 0 : block_lines - first < per_pass ? block_lines - first : per_pass;
-    return (const char *)next + first * 64;
+    const int64_t block_lines = k, per_slice = slices > 0 ? (block_lines + slices - 1) / slices : 0;
+    const int64_t first = (pass - from) * per_slice;
+    *lines = !next || pass < from || first >= block_lines ? 0
+             : block_lines - first < per_slice ? block_lines - first : per_slice;
+    return *lines ? (const char *)next + first * 64 : NULL;
 }
 
 /* [*begin, *end): thread `t` of `threads`' contiguous share of `count` items. */
@@ -130,7 +131,8 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                 const int row_tiles = m - r0 >= 32 ? 2 : 1;
                 int64_t lines;
                 const char *fetch = next_block_slice(next, k, r0 / 32, passes, &lines);
-                column_block(x + r0 * x_stride, x_stride, block, k, row_tiles, acc, fetch, lines);
+                column_block(x + r0 * x_stride, x_stride, block, k, row_tiles, acc, fetch, lines,
+                             r0 == 0);
                 for (int r = 0; r < 16 * row_tiles; r++) {
                     __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32), b0);
                     __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16), b1);
@@ -171,10 +173,10 @@ int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *w
                 int64_t lines;
                 const char *fetch = next_block_slice(more ? gate_block + block_elems : NULL, k,
                                                      r0 / 32, passes, &lines);
-                column_block(rows, x_stride, gate_block, k, row_tiles, gate, fetch, lines);
+                column_block(rows, x_stride, gate_block, k, row_tiles, gate, fetch, lines, r0 == 0);
                 fetch = next_block_slice(more ? up_block + block_elems : NULL, k, r0 / 32,
                                          passes, &lines);
-                column_block(rows, x_stride, up_block, k, row_tiles, up, fetch, lines);
+                column_block(rows, x_stride, up_block, k, row_tiles, up, fetch, lines, r0 == 0);
                 for (int r = 0; r < 16 * row_tiles; r++) {
                     __m512 lo = silu_times16(_mm512_loadu_ps(gate + r * 32), _mm512_loadu_ps(up + r * 32));
                     __m512 hi = silu_times16(_mm512_loadu_ps(gate + r * 32 + 16),
