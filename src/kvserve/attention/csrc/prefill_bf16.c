@@ -123,12 +123,16 @@ typedef struct {
     float *out_f32, *lse;
 } prefill_args;
 
+/* Query rows per work item: two tiles' worth, so that each K or V tile loaded from L2 feeds
+ * two products (block_scores_amx2, block_output_amx2). */
+#define ITEM_ROWS 32
+
 typedef struct {
-    float *scores;  /* [16, padded keys] */
-    uint16_t *probs; /* [16, padded keys] bf16 */
-    uint16_t *qbuf; /* [16, dim] */
-    float *obuf;    /* [16, dim] */
-    float row_max[16], row_sum[16];
+    float *scores;  /* [ITEM_ROWS, padded keys] */
+    uint16_t *probs; /* [ITEM_ROWS, padded keys] bf16 */
+    uint16_t *qbuf; /* [ITEM_ROWS, dim] */
+    float *obuf;    /* [ITEM_ROWS, dim] */
+    float row_max[ITEM_ROWS], row_sum[ITEM_ROWS];
 } block_work;
 
 #if PREFILL_HAS_AMX
@@ -204,6 +208,77 @@ static void block_output_amx(const prefill_args *a, const uint32_t *values, bloc
         if (nd > 1) _tile_stored(5, o + 16, a->dim * 4);
         if (nd > 2) _tile_stored(6, o + 32, a->dim * 4);
         if (nd > 3) _tile_stored(7, o + 48, a->dim * 4);
+    }
+}
+
+/* Scores of 32 query rows (two A tiles) against keys [0, 16 * blocks): each K tile loaded
+ * from L2 serves both row tiles, two key blocks at a time into four accumulators.  With one
+ * row tile, every product waited on its own K tile's load: a 1,024 x 1,024 call spent ~60%
+ * of its time in the two products at ~30% of the tiles' peak. */
+static void block_scores_amx2(const prefill_args *a, const uint32_t *keys, block_work *w,
+                              int64_t blocks, int64_t stride) {
+    const int halves = a->dim / 32;
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int half = 0; half < halves; half++) {
+            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
+            _tile_loadd(1, w->qbuf + 16 * a->dim + 32 * half, a->dim * 2);
+            _tile_loadd(2, keys + (b * halves + half) * TILE_WORDS, 64);
+            _tile_loadd(3, keys + ((b + 1) * halves + half) * TILE_WORDS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+        _tile_stored(4, w->scores + b * 16, stride * 4);
+        _tile_stored(5, w->scores + (b + 1) * 16, stride * 4);
+        _tile_stored(6, w->scores + 16 * stride + b * 16, stride * 4);
+        _tile_stored(7, w->scores + 16 * stride + (b + 1) * 16, stride * 4);
+    }
+    if (b < blocks) {
+        _tile_zero(4);
+        _tile_zero(6);
+        for (int half = 0; half < halves; half++) {
+            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
+            _tile_loadd(1, w->qbuf + 16 * a->dim + 32 * half, a->dim * 2);
+            _tile_loadd(2, keys + (b * halves + half) * TILE_WORDS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(6, 1, 2);
+        }
+        _tile_stored(4, w->scores + b * 16, stride * 4);
+        _tile_stored(6, w->scores + 16 * stride + b * 16, stride * 4);
+    }
+}
+
+/* O = P x V for 32 rows: two 16-dimension V tiles at a time, each serving both row tiles. */
+static void block_output_amx2(const prefill_args *a, const uint32_t *values, block_work *w,
+                              int64_t pairs_blocks, int64_t stride) {
+    const int dim_blocks = a->dim / 16; /* even: dim is a multiple of 32 */
+    for (int dg = 0; dg < dim_blocks; dg += 2) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t b = 0; b < pairs_blocks; b++) {
+            const uint32_t *vt = values + (b * dim_blocks + dg) * TILE_WORDS;
+            _tile_loadd(0, w->probs + b * 32, stride * 2);
+            _tile_loadd(1, w->probs + 16 * stride + b * 32, stride * 2);
+            _tile_loadd(2, vt, 64);
+            _tile_loadd(3, vt + TILE_WORDS, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+        float *o = w->obuf + dg * 16;
+        _tile_stored(4, o, a->dim * 4);
+        _tile_stored(5, o + 16, a->dim * 4);
+        _tile_stored(6, o + 16 * a->dim, a->dim * 4);
+        _tile_stored(7, o + 16 * a->dim + 16, a->dim * 4);
     }
 }
 #endif
@@ -345,17 +420,20 @@ static void softmax_rows(const prefill_args *a, block_work *w, int64_t first, in
     }
 }
 
-/* Query rows [16 qb, 16 qb + 16) of sequence `seq`, head h. */
-static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t qb, block_work *w) {
-    const int64_t first = qb * 16, offset = a->num_keys - a->num_query;
-    const int rows = a->num_query - first < 16 ? (int)(a->num_query - first) : 16;
+/* Query rows [first, first + item_rows) of sequence `seq` (as far as its queries go), head h:
+ * item_rows is ITEM_ROWS on AMX, 16 with vdpbf16ps (which works 4 rows at a time anyway). */
+static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t first, int item_rows,
+                         block_work *w) {
+    const int64_t offset = a->num_keys - a->num_query;
+    const int rows = a->num_query - first < item_rows ? (int)(a->num_query - first) : item_rows;
     int64_t end = a->causal ? first + rows + offset : a->num_keys; /* keys any row sees */
     if (end > a->num_keys) end = a->num_keys;
     /* Rows of scores and probabilities an odd number of 64-byte lines apart: at a power of
      * two (2,048 keys) the 16 rows of a tile share one L1 set, and the block ran 1.x slower. */
     const int64_t pair_blocks = (end + 31) / 32, padded = pair_blocks * 32, stride = padded + 16;
     const int kv_head = h / a->group, dim = a->dim;
-    for (int m = 0; m < 16; m++) {
+    const int tile_rows = rows > 16 ? 32 : 16; /* rows the tiles compute, zeros past `rows` */
+    for (int m = 0; m < tile_rows; m++) {
         if (m < rows)
             memcpy(w->qbuf + m * dim, a->q + seq * a->q_batch + (first + m) * a->q_stride + (int64_t)h * dim,
                    dim * 2);
@@ -366,7 +444,11 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t qb, 
     const uint32_t *keys = a->keys + packed_head * a->keys_per_head;
     const uint32_t *values = a->values + packed_head * a->values_per_head;
 #if PREFILL_HAS_AMX
-    if (a->use_amx) {
+    if (a->use_amx && tile_rows == 32) {
+        block_scores_amx2(a, keys, w, (end + 15) / 16, stride);
+        softmax_rows(a, w, first, 0, 32, rows, end, padded, stride);
+        block_output_amx2(a, values, w, pair_blocks, stride);
+    } else if (a->use_amx) {
         block_scores_amx(a, keys, w, (end + 15) / 16, stride);
         softmax_rows(a, w, first, 0, 16, rows, end, padded, stride);
         block_output_amx(a, values, w, pair_blocks, stride);
@@ -437,7 +519,9 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
     if (!packed) return 2;
     a.keys = packed;
     a.values = packed + a.keys_per_head * packed_heads;
-    const int64_t query_blocks = (num_query + 15) / 16, per_seq = query_blocks * num_heads;
+    const int item_rows = use_amx ? ITEM_ROWS : 16;
+    const int64_t query_blocks = (num_query + item_rows - 1) / item_rows;
+    const int64_t per_seq = query_blocks * num_heads;
     const int64_t items = num_seqs * per_seq;
     const int64_t padded = pair_blocks * 32;
     int failed = 0;
@@ -458,15 +542,16 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
                             (uint32_t *)a.values + head * a.values_per_head);
         }
         block_work w = {0};
-        char *buffer = aligned_alloc(64, (size_t)16 * (padded + 16) * 6 + (size_t)16 * dim * 6 + 64);
+        char *buffer = aligned_alloc(64, (size_t)ITEM_ROWS * (padded + 16) * 6
+                                             + (size_t)ITEM_ROWS * dim * 6 + 64);
         if (!buffer) {
             #pragma omp atomic write
             failed = 1;
         } else {
             w.scores = (float *)buffer;
-            w.probs = (uint16_t *)(w.scores + 16 * (padded + 16));
-            w.obuf = (float *)(w.probs + 16 * (padded + 16));
-            w.qbuf = (uint16_t *)(w.obuf + 16 * dim);
+            w.probs = (uint16_t *)(w.scores + ITEM_ROWS * (padded + 16));
+            w.obuf = (float *)(w.probs + ITEM_ROWS * (padded + 16));
+            w.qbuf = (uint16_t *)(w.obuf + ITEM_ROWS * dim);
 #if PREFILL_HAS_AMX
             if (use_amx) amx_configure_tiles();
 #endif
@@ -476,7 +561,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
         for (int64_t item = 0; item < items; item++) {
             const int64_t seq = item / per_seq, rest = item % per_seq;
             if (buffer)
-                attend_block(&a, seq, (int)(rest % num_heads), query_blocks - 1 - rest / num_heads, &w);
+                attend_block(&a, seq, (int)(rest % num_heads),
+                             (query_blocks - 1 - rest / num_heads) * item_rows, item_rows, &w);
         }
 #if PREFILL_HAS_AMX
         if (buffer && use_amx) _tile_release();
