@@ -136,81 +136,6 @@ typedef struct {
 } block_work;
 
 #if PREFILL_HAS_AMX
-/* Scores of 16 query rows against keys [0, 16 * blocks): Q x K^T, four key blocks at a time
- * into four accumulators (one at a time waited on each product's latency). */
-#define SCORE_STEP(acc, b_tile, block)                                                        \
-    do {                                                                                      \
-        _tile_loadd(b_tile, keys + ((block) * halves + half) * TILE_WORDS, 64);              \
-        _tile_dpbf16ps(acc, 0, b_tile);                                                       \
-    } while (0)
-
-static void block_scores_amx(const prefill_args *a, const uint32_t *keys, block_work *w,
-                         int64_t blocks, int64_t stride) {
-    const int halves = a->dim / 32;
-    int64_t b = 0;
-    for (; b + 4 <= blocks; b += 4) {
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int half = 0; half < halves; half++) {
-            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
-            SCORE_STEP(4, 2, b);
-            SCORE_STEP(5, 3, b + 1);
-            SCORE_STEP(6, 2, b + 2);
-            SCORE_STEP(7, 3, b + 3);
-        }
-        _tile_stored(4, w->scores + b * 16, stride * 4);
-        _tile_stored(5, w->scores + (b + 1) * 16, stride * 4);
-        _tile_stored(6, w->scores + (b + 2) * 16, stride * 4);
-        _tile_stored(7, w->scores + (b + 3) * 16, stride * 4);
-    }
-    for (; b < blocks; b++) {
-        _tile_zero(4);
-        for (int half = 0; half < halves; half++) {
-            _tile_loadd(0, w->qbuf + 32 * half, a->dim * 2);
-            SCORE_STEP(4, 2, b);
-        }
-        _tile_stored(4, w->scores + b * 16, stride * 4);
-    }
-}
-
-/* O = P x V for the block's 16 rows, four 16-dimension tiles at a time. */
-static void block_output_amx(const prefill_args *a, const uint32_t *values, block_work *w,
-                         int64_t pairs_blocks, int64_t stride) {
-    const int dim_blocks = a->dim / 16;
-    for (int dg = 0; dg < dim_blocks; dg += 4) {
-        const int nd = dim_blocks - dg < 4 ? dim_blocks - dg : 4;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t b = 0; b < pairs_blocks; b++) {
-            const uint32_t *vt = values + (b * dim_blocks + dg) * TILE_WORDS;
-            _tile_loadd(1, w->probs + b * 32, stride * 2);
-            _tile_loadd(2, vt, 64);
-            _tile_dpbf16ps(4, 1, 2);
-            if (nd > 1) {
-                _tile_loadd(3, vt + TILE_WORDS, 64);
-                _tile_dpbf16ps(5, 1, 3);
-            }
-            if (nd > 2) {
-                _tile_loadd(2, vt + 2 * TILE_WORDS, 64);
-                _tile_dpbf16ps(6, 1, 2);
-            }
-            if (nd > 3) {
-                _tile_loadd(3, vt + 3 * TILE_WORDS, 64);
-                _tile_dpbf16ps(7, 1, 3);
-            }
-        }
-        float *o = w->obuf + dg * 16;
-        _tile_stored(4, o, a->dim * 4);
-        if (nd > 1) _tile_stored(5, o + 16, a->dim * 4);
-        if (nd > 2) _tile_stored(6, o + 32, a->dim * 4);
-        if (nd > 3) _tile_stored(7, o + 48, a->dim * 4);
-    }
-}
-
 /* Scores of 32 query rows (two A tiles) against keys [0, 16 * blocks): each K tile loaded
  * from L2 serves both row tiles, two key blocks at a time into four accumulators.  With one
  * row tile, every product waited on its own K tile's load: a 1,024 x 1,024 call spent ~60%
@@ -432,7 +357,7 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t firs
      * two (2,048 keys) the 16 rows of a tile share one L1 set, and the block ran 1.x slower. */
     const int64_t pair_blocks = (end + 31) / 32, padded = pair_blocks * 32, stride = padded + 16;
     const int kv_head = h / a->group, dim = a->dim;
-    const int tile_rows = rows > 16 ? 32 : 16; /* rows the tiles compute, zeros past `rows` */
+    const int tile_rows = a->use_amx ? 32 : 16; /* rows the tiles compute, zeros past `rows` */
     for (int m = 0; m < tile_rows; m++) {
         if (m < rows)
             memcpy(w->qbuf + m * dim, a->q + seq * a->q_batch + (first + m) * a->q_stride + (int64_t)h * dim,
@@ -444,14 +369,10 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t firs
     const uint32_t *keys = a->keys + packed_head * a->keys_per_head;
     const uint32_t *values = a->values + packed_head * a->values_per_head;
 #if PREFILL_HAS_AMX
-    if (a->use_amx && tile_rows == 32) {
+    if (a->use_amx) { /* 32 rows, zeros past `rows` (a short last item pays for 16 of them) */
         block_scores_amx2(a, keys, w, (end + 15) / 16, stride);
         softmax_rows(a, w, first, 0, 32, rows, end, padded, stride);
         block_output_amx2(a, values, w, pair_blocks, stride);
-    } else if (a->use_amx) {
-        block_scores_amx(a, keys, w, (end + 15) / 16, stride);
-        softmax_rows(a, w, first, 0, 16, rows, end, padded, stride);
-        block_output_amx(a, values, w, pair_blocks, stride);
     } else
 #endif
     /* Four rows at a time from scores to output, their scores and probabilities still in L1
