@@ -192,3 +192,22 @@ def test_a_file_that_cannot_be_removed_is_left_and_the_build_goes_elsewhere(
     lib = load(cache)
     assert lib.paged_decode_attention is not None and path.read_bytes() == b"not a library"
     assert len(fake_compiler) == 1 and fake_compiler[0] != cache
+
+
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v2"])
+def test_the_kernels_build_for_cpus_without_avx512(tmp_path, target):
+    """The sources compile and link for an AVX2-only CPU (AMD Zen 3, Intel before Skylake-SP)
+    and a plain SSE4 one: each AVX-512 path sits behind its own guard.  A guard written as
+    `#ifdef` on a macro defined as 0 made the whole library fail to build there, which left
+    those CPUs on the reference backend's paths without a word."""
+    flags = [f"-march={target}" if flag == "-march=native" else flag
+             for flag in cpu_kernels._FLAGS]  # fmt: skip
+    output = tmp_path / "lib.so"
+    result = subprocess.run(
+        [COMPILER, *flags, *map(str, cpu_kernels._SOURCES), "-o", str(output), "-lm"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "paged_decode_attention" in subprocess.run(
+        ["nm", "-D", str(output)], capture_output=True, text=True, check=True
+    ).stdout

@@ -154,7 +154,7 @@ int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *c
  * step read those rows back from the cache this step (from memory, once: correct either way,
  * see the fence below). */
 static inline int store_row_streaming(char *dst, const char *src, int64_t row_bytes) {
-#ifdef HAVE_AVX512_STORE
+#if HAVE_AVX512_STORE
     if (((uintptr_t)dst & 63) || (row_bytes & 63)) return 0;
     for (int64_t i = 0; i < row_bytes; i += 64)
         _mm512_stream_si512((__m512i *)(dst + i), _mm512_loadu_si512(src + i));
@@ -181,7 +181,7 @@ int kv_copy_store(const void *x, int64_t token_stride_bytes, void *cache, const 
             if (!(streaming && store_row_streaming(dst, src, row_bytes)))
                 memcpy(dst, src, (size_t)row_bytes);
         }
-#ifdef HAVE_AVX512_STORE
+#if HAVE_AVX512_STORE
         if (streaming) _mm_sfence(); /* streaming stores are weakly ordered: each thread's
                                       * are visible before the region's closing barrier */
 #endif
