@@ -208,6 +208,9 @@ def test_the_kernels_build_for_cpus_without_avx512(tmp_path, target):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "paged_decode_attention" in subprocess.run(
-        ["nm", "-D", str(output)], capture_output=True, text=True, check=True
-    ).stdout
+    assert (
+        "paged_decode_attention"
+        in subprocess.run(
+            ["nm", "-D", str(output)], capture_output=True, text=True, check=True
+        ).stdout
+    )
