@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
-from kvserve.models.packed_linear import PackedLinear, can_pack
+from kvserve.models.packed_linear import AMX_MAX_ROWS, LOGITS_AMX_MAX_ROWS, PackedLinear, can_pack
 from kvserve.runner.sampling import _argmax
 
 PROMPTS = [[(i * 7919 + j) % 40000 + 7 for i in range(20 + 13 * j)] for j in range(3)]
@@ -126,6 +126,21 @@ def test_rows_padded_once_per_step_give_the_same_logprobs(tiny_dir):
     padded = _logprobs_and_tokens(llm)
     model.pads_rows = False
     assert _logprobs_and_tokens(llm) == padded
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
+def test_the_lm_head_leaves_batches_past_32_rows_to_onednn(tiny_dir):
+    """The AMX kernel streams the layers' projections faster than oneDNN up to 128 rows, but
+    not the LM head past 32 (LOGITS_AMX_MAX_ROWS): a 64-row decode's logits are oneDNN's."""
+    llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
+              enforce_eager=True)  # fmt: skip
+    model = llm.engine.model
+    head = model.logits_head
+    assert 0 <= head.amx_rows <= LOGITS_AMX_MAX_ROWS
+    assert all(layer.qkv_proj.amx_rows in (0, AMX_MAX_ROWS) for layer in model.layers)
+    x = torch.randn(64, head.in_features).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
+    assert torch.equal(head(x), want)
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)

@@ -26,7 +26,13 @@ from kvserve.models.fused_mlp import (
     packed_silu_gate_up,
     silu_and_mul,
 )
-from kvserve.models.packed_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
+from kvserve.models.packed_linear import (
+    LOGITS_AMX_MAX_ROWS,
+    PackedLinear,
+    can_pack,
+    pack_linear_layers,
+    padded_rows,
+)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -226,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         """Every projection, and the LM head, through oneDNN-prepacked weights (see
         packed_linear.py); the tied embedding keeps its plain table for the lookups."""
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        self.logits_head = PackedLinear(head, None)
+        self.logits_head = PackedLinear(head, None, LOGITS_AMX_MAX_ROWS)
         if not self.config.tie_word_embeddings:
             del self.lm_head
         pack_linear_layers(self.layers)
