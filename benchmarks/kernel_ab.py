@@ -1,0 +1,151 @@
+"""The C kernels of two revisions side by side in one process: the working tree's
+`src/kvserve/attention/csrc` against the same files at a git revision (--base), each built
+into a library of its own, timed alternately (the machine's speed drifts by more than most
+kernel changes are worth, so only an alternating comparison in one process can show them).
+
+    .venv/bin/python benchmarks/kernel_ab.py projections --rows 128   # a decode step's 120
+    .venv/bin/python benchmarks/kernel_ab.py decode --batch 64 --context 48 --base HEAD~1
+    .venv/bin/python benchmarks/kernel_ab.py prefill --queries 1024 --keys 1024
+
+projections: csrc/linear_amx.c over the embedded model's four projection shapes, 30 layers of
+random weights, --rows rows.  decode: the paged decode kernel at --batch x --context tokens,
+sequences on consecutive blocks, cycling 30 layer caches (so that a layer's K/V has left the
+caches when it is read again).  prefill: the bf16 prefill kernel, --queries over --keys keys
+of one sequence (causal with --causal).  Prints the median and minimum of --rounds rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvserve.attention import bf16_prefill, cpu_kernels
+from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.cpu_paged import CpuPagedBackend
+from kvserve.attention.kv_cache import allocate_kv_caches
+from kvserve.kv.spec import kv_cache_spec
+from kvserve.models.packed_linear import PackedLinear
+
+CSRC = Path(cpu_kernels.__file__).parent / "csrc"
+REPO = CSRC.parents[3]
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+LAYERS = 30
+
+
+def build(source_dir: Path, output: Path) -> ctypes.CDLL:
+    """The kernel library from the sources in source_dir, with the engine's own flags."""
+    sources = [str(source_dir / path.name) for path in cpu_kernels._SOURCES]
+    compiler = shutil.which("gcc") or "cc"
+    command = [compiler, *cpu_kernels._FLAGS, f"-I{source_dir}", *sources, "-o", str(output)]
+    result = subprocess.run([*command, "-lm"], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr}")
+    return cpu_kernels._open(output)
+
+
+def base_library(revision: str, workdir: Path) -> ctypes.CDLL:
+    """The kernel library as `revision` had it (every file of csrc at that revision)."""
+    source_dir = workdir / "base"
+    source_dir.mkdir()
+    for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
+        relative = path.relative_to(REPO).as_posix()
+        text = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
+                              capture_output=True, check=True).stdout  # fmt: skip
+        (source_dir / path.name).write_bytes(text)
+    return build(source_dir, workdir / "base.so")
+
+
+def projections(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
+    fn = lib.linear_bf16_amx
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    weights = [PackedLinear((torch.randn(n, k) * 0.05).to(torch.bfloat16), None)
+               for _ in range(LAYERS) for n, k in SHAPES]  # fmt: skip
+    inputs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k in SHAPES}
+    outputs = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _ in SHAPES}
+    calls = [(inputs[w.in_features], torch.ops.mkldnn.data_ptr(w.packed_weight),
+              outputs[w.out_features], w.out_features, w.in_features) for w in weights]  # fmt: skip
+    threads = torch.get_num_threads()
+
+    def run(keep_alive: list[PackedLinear] = weights) -> None:  # calls point into them
+        for x, weight, out, n, k in calls:
+            fn(x.data_ptr(), x.stride(0), weight, None, out.data_ptr(), n, args.rows, n, k, threads)
+
+    return run
+
+
+def decode(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
+    backend = CpuPagedBackend()
+    backend._kernel = lib.paged_decode_attention
+    per_seq = -(-args.context // 16)
+    spec = kv_cache_spec(LAYERS, 3, 64, "auto", "bfloat16", 16)
+    caches = allocate_kv_caches(spec, args.batch * per_seq, torch.device("cpu"))
+    for cache in caches:
+        cache.key.normal_(), cache.value.normal_()
+    tables = torch.arange(args.batch * per_seq).view(args.batch, per_seq)
+    lens = torch.full((args.batch,), args.context)
+    metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long), args.batch, tables, lens, ())
+    query = torch.randn(args.batch, 9, 64).to(torch.bfloat16)
+
+    def run() -> None:
+        for cache in caches:
+            backend._decode(query, cache, metadata, 0.125)
+
+    return run
+
+
+def prefill(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
+    fn = lib.prefill_attention_bf16
+    fn.argtypes = bf16_prefill._kernel().argtypes
+    query = torch.randn(1, args.queries, 9, 64).to(torch.bfloat16)
+    keys, values = (torch.randn(1, args.keys, 3, 64).to(torch.bfloat16) for _ in range(2))
+
+    def run() -> None:
+        bf16_prefill._kernel = lambda: fn  # the module looks its kernel up on every call
+        for _ in range(10):
+            bf16_prefill.attend_batch(query, keys, values, args.causal, 0.125, True)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["projections", "decode", "prefill"])
+    parser.add_argument("--base", default="HEAD", help="git revision to compare against")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--queries", type=int, default=1024)
+    parser.add_argument("--keys", type=int, default=1024)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    setup = {"projections": projections, "decode": decode, "prefill": prefill}[args.what]
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        libraries = {args.base: base_library(args.base, workdir),
+                     "working tree": build(CSRC, workdir / "tree.so")}  # fmt: skip
+        runs = {name: setup(lib, args) for name, lib in libraries.items()}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # warm up
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - started) * 1e3)
+    for name, values in times.items():
+        print(f"{name}: median {statistics.median(values):.3f} ms, min {min(values):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
