@@ -161,9 +161,7 @@ class CpuPagedBackend(TorchRefBackend):
         # Chunks that start inside the prefix (the one computing it this step) attend as
         # usual; the others share it, as a batch of their own rows.
         out = torch.empty_like(query)
-        for span in inside:
-            rows = slice(span.query_start, span.query_end)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+        self._prefills(query, key, value, kv_cache, inside, scale, out)
         rows, sharing = sharing_rows(metadata, inside)
         out[rows] = self._split_at_shared_prefix(query[rows], kv_cache, sharing, scale)
         return out
