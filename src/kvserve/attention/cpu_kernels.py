@@ -47,6 +47,7 @@ _SOURCES = tuple(
         "silu_mul.c",
         "prefill_bf16.c",
         "linear_amx.c",
+        "decode_layer.c",
     )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.

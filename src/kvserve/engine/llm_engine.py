@@ -300,6 +300,23 @@ class LLMEngine:
             self.model.kernels = EAGER
             return
         logger.info("compiled the layers with torch.compile in %.1fs", time.monotonic() - started)
+        self._use_native_decode()
+
+    def _use_native_decode(self) -> None:
+        """Small steps through the layers' C path (models/native_decode.py) where it serves
+        this model; it is warmed up here, and one that fails leaves the compiled layers."""
+        if not self.model.use_native_decode():
+            return
+        try:
+            self.runner.warm_up()
+        except Exception as exc:  # noqa: BLE001 - any failure: keep the compiled layers
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            logger.warning("the native decode layers failed, keeping the compiled ones (%s: %s)",
+                           type(exc).__name__, first_line)  # fmt: skip
+            self.model.native_decode = None
+            return
+        logger.info("steps of up to %d rows run the layers' native path",
+                    self.model.native_decode.max_rows)  # fmt: skip
 
     def _log_startup(self, seconds: float) -> None:
         mc = self.model_config

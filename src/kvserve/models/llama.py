@@ -26,6 +26,7 @@ from kvserve.models.fused_mlp import (
     packed_silu_gate_up,
     silu_and_mul,
 )
+from kvserve.models.native_decode import NativeDecode
 from kvserve.models.packed_linear import (
     LOGITS_AMX_MAX_ROWS,
     PackedLinear,
@@ -193,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.kernels = EAGER
+        # The same work in C for steps of up to its max_rows (native_decode.py); None: never.
+        self.native_decode: NativeDecode | None = None
         self.logits_head: PackedLinear | None = None
         # Run every layer on the row count the packed projections are asked for (see forward).
         self.pads_rows = False
@@ -200,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
     def compile(self) -> None:  # type: ignore[override]
         """Run the layers' element-wise work through torch.compile from now on."""
         self.kernels = compiled_kernels()
+
+    def use_native_decode(self) -> bool:
+        """Run the steps that csrc/decode_layer.c can serve there from now on (the compiled
+        layers' values, without their per-layer overhead); False where it serves none."""
+        self.native_decode = NativeDecode.build(self.layers)
+        return self.native_decode is not None
 
     @classmethod
     def from_weights(
@@ -252,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         freqs = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :])[:, None, :]
         cos, sin = freqs.cos().to(hidden.dtype), freqs.sin().to(hidden.dtype)
         kernels, layers = self.kernels, self.layers
+        if self.native_decode is not None and self.native_decode.serves(hidden.shape[0]):
+            kernels = self.native_decode
         q, k, v = kernels.pre_attention(layers[0], hidden, cos, sin)
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             with record_function("kvserve::attention"):

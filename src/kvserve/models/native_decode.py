@@ -1,0 +1,193 @@
+"""The layers' work between attentions through csrc/decode_layer.c: one C call per layer.
+
+Through torch.compile the same work costs ~0.35 ms a layer more than its projections alone
+(Dynamo's guards, the compiled region's wrappers, the custom ops' dispatch and Python,
+inductor's element-wise kernels), at any row count: ~10 ms of a 128-row decode step of the
+embedded model.  This path serves the steps whose (padded) rows every projection hands to the
+AMX kernel anyway (packed_linear.AMX_MAX_ROWS), with the compiled layers' values bit for bit:
+the same projection kernels, and inductor's element-wise arithmetic written out in C.  Larger
+steps (prefills) keep the compiled layers.  The object has LayerKernels' three functions, so
+LlamaForCausalLM.forward picks one or the other per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from kvserve.models.packed_linear import PackedLinear
+
+logger = logging.getLogger("kvserve")
+
+_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
+
+
+class _Layer(ctypes.Structure):
+    """csrc/decode_layer.c's decode_layer: one layer's weight pointers and shape."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in _WEIGHTS),
+                ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("eps", ctypes.c_float)]  # fmt: skip
+
+
+@functools.cache
+def _functions() -> dict[str, Callable[..., int]] | None:
+    """The library's decode_layer functions with their argument types, or None where the
+    library cannot be built or has no AMX build of them."""
+    from kvserve.attention.cpu_kernels import kernel_function
+
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    available = kernel_function("decode_layer_available", [])
+    if available is None or not available():
+        return None
+    work = kernel_function("decode_layer_work_bytes", [ptr, i64])
+    work.restype = i64  # type: ignore[union-attr]
+    return {
+        "work_bytes": work,
+        "pre": kernel_function("decode_pre_attention", [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                                                        ptr, i32]),
+        "between": kernel_function("decode_between_attentions", [ptr, ptr, ptr, ptr, i64, i64,
+                                                                 ptr, ptr, ptr, ptr, ptr, ptr,
+                                                                 i32]),
+        "post": kernel_function("decode_post_attention", [ptr, ptr, ptr, i64, i64, ptr, i32]),
+    }  # type: ignore[dict-item]  # fmt: skip
+
+
+def _packed_pointer(linear: nn.Module) -> int:
+    return torch.ops.mkldnn.data_ptr(linear.packed_weight)
+
+
+def _describe(layer: nn.Module) -> _Layer:
+    """The C description of one DecoderLayer (its tensors must outlive it: the layer's own)."""
+    qkv_bias = layer.qkv_proj.bias
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.data_ptr(),
+        qkv=_packed_pointer(layer.qkv_proj),
+        qkv_bias=None if qkv_bias is None else qkv_bias.data_ptr(),
+        o=_packed_pointer(layer.o_proj),
+        post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+        gate_up=_packed_pointer(layer.gate_up_proj),
+        down=_packed_pointer(layer.down_proj),
+        hidden=layer.o_proj.out_features,
+        intermediate=layer.gate_up_proj.out_features // 2,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        eps=layer.input_layernorm.eps,
+    )
+
+
+def _max_rows(layer: nn.Module) -> int:
+    """Up to how many rows this layer's work runs here (0: never): every projection packed,
+    in bfloat16, on the AMX kernel up to that many rows, with the shapes the C code takes."""
+    projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    if not all(isinstance(p, PackedLinear) for p in projections) or not layer.fused_silu:
+        return 0
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+        return 0
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return 0
+    hidden, intermediate = layer.o_proj.out_features, layer.gate_up_proj.out_features // 2
+    biased = any(p.bias is not None for p in projections[1:])
+    if biased or hidden % 32 or intermediate % 32 or layer.head_dim % 32:
+        return 0
+    return min(p.amx_rows for p in projections)
+
+
+class NativeDecode:
+    """LayerKernels' pre_attention / between_attentions / post_attention in C, for steps of
+    up to `max_rows` (padded) rows; `serves` says which."""
+
+    def __init__(self, layers: Sequence[nn.Module], max_rows: int) -> None:
+        functions = _functions()
+        assert functions is not None
+        self._call = functions
+        self._layers = {id(layer): _describe(layer) for layer in layers}
+        self.max_rows = max_rows
+
+    @classmethod
+    def build(cls, layers: Sequence[nn.Module]) -> NativeDecode | None:
+        """For these layers, or None where the C path cannot serve them (no AMX build, layers
+        not packed in bfloat16, shapes the C code does not take)."""
+        if _functions() is None or not layers:
+            return None
+        max_rows = min(_max_rows(layer) for layer in layers)
+        return cls(layers, max_rows) if max_rows >= 16 else None
+
+    def serves(self, num_rows: int) -> bool:
+        """A step of `num_rows` rows (already padded to a multiple of 16) runs here."""
+        return num_rows <= self.max_rows and num_rows % 16 == 0
+
+    def _outputs(
+        self, layer: nn.Module, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh q, k, qkv and scratch tensors for `layer` at hidden's row count."""
+        rows, dim = hidden.shape[0], layer.head_dim
+        q = hidden.new_empty((rows, layer.num_heads, dim))
+        k = hidden.new_empty((rows, layer.num_kv_heads, dim))
+        qkv = hidden.new_empty((rows, (layer.num_heads + 2 * layer.num_kv_heads) * dim))
+        work_bytes = self._call["work_bytes"](ctypes.byref(self._layers[id(layer)]), rows)
+        return q, k, qkv, torch.empty(work_bytes, dtype=torch.uint8)
+
+    @staticmethod
+    def _value(layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
+        start = (layer.num_heads + layer.num_kv_heads) * layer.head_dim
+        return qkv[:, start:].view(qkv.shape[0], layer.num_kv_heads, layer.head_dim)
+
+    @staticmethod
+    def _check(failed: int) -> None:
+        if failed:
+            raise RuntimeError("the AMX projection kernel declined a decode layer's shapes")
+
+    def pre_attention(
+        self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, qkv, work = self._outputs(layer, hidden)
+        self._check(self._call["pre"](
+            ctypes.byref(self._layers[id(layer)]), hidden.data_ptr(), hidden.shape[0],
+            cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(),
+            work.data_ptr(), torch.get_num_threads(),
+        ))  # fmt: skip
+        return q, k, self._value(layer, qkv)
+
+    def between_attentions(
+        self,
+        layer: nn.Module,
+        next_layer: nn.Module,
+        hidden: torch.Tensor,
+        attn: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As llama.between_attentions; `hidden` is updated in place and returned."""
+        attn = attn.to(hidden.dtype).contiguous()
+        q, k, qkv, work = self._outputs(next_layer, hidden)
+        self._check(self._call["between"](
+            ctypes.byref(self._layers[id(layer)]), ctypes.byref(self._layers[id(next_layer)]),
+            hidden.data_ptr(), attn.data_ptr(), attn.shape[0], hidden.shape[0], cos.data_ptr(),
+            sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
+            torch.get_num_threads(),
+        ))  # fmt: skip
+        return hidden, q, k, self._value(next_layer, qkv)
+
+    def post_attention(
+        self, layer: nn.Module, hidden: torch.Tensor, attn: torch.Tensor
+    ) -> torch.Tensor:
+        """As llama.post_attention; `hidden` is updated in place and returned."""
+        attn = attn.to(hidden.dtype).contiguous()
+        work = torch.empty(
+            self._call["work_bytes"](ctypes.byref(self._layers[id(layer)]), hidden.shape[0]),
+            dtype=torch.uint8,
+        )
+        self._check(self._call["post"](
+            ctypes.byref(self._layers[id(layer)]), hidden.data_ptr(), attn.data_ptr(),
+            attn.shape[0], hidden.shape[0], work.data_ptr(), torch.get_num_threads(),
+        ))  # fmt: skip
+        return hidden

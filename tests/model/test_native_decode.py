@@ -1,0 +1,135 @@
+"""The layers' native path (models/native_decode.py, csrc/decode_layer.c) against the compiled
+layers it stands in for: the same values bit for bit, layer by layer and through the engine.
+
+The tiny models here have head_dim 32 (the C code takes head_dims and hidden sizes that are
+multiples of 32: the conftest models' head_dim of 16 is not served), llama without and qwen2
+with QKV bias.  The path needs bfloat16 packing and an AMX build of the kernels: elsewhere
+these tests are skipped and the engine keeps the compiled layers (test_not_served_...).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.models.native_decode import NativeDecode, _functions
+from kvserve.models.packed_linear import AMX_MAX_ROWS, can_pack
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.bfloat16) or _functions() is None,
+    reason="no bfloat16 packing or no AMX build of the kernels on this CPU",
+)
+PROMPTS = [[(i * 7919 + j) % 40000 + 7 for i in range(20 + 13 * j)] for j in range(3)]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, embedded_tokenizer):
+    """arch -> a tiny random bf16-servable model directory (head_dim 32, sharp weights)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 vocab_size=49152, rms_norm_eps=1e-5, initializer_range=0.1)  # fmt: skip
+    made = {}
+    for arch, config in (("llama", LlamaConfig(**shape, tie_word_embeddings=False)),
+                         ("qwen2", Qwen2Config(**shape, tie_word_embeddings=True))):  # fmt: skip
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        directory = tmp_path_factory.mktemp(f"native-{arch}")
+        model.save_pretrained(directory)
+        embedded_tokenizer.save_pretrained(directory)
+        made[arch] = str(directory)
+    return made
+
+
+def _compiled(directory: str) -> LLM:
+    """A compiled engine.  No prefix caching: a second run must compute what the first did,
+    not read its K/V back."""
+    return LLM(directory, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
+               enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
+
+
+def _layer_inputs(model, rows: int, real: int, seed: int):
+    """hidden [rows, H], cos/sin [rows, 1, D/2] and an attention output of `real` rows."""
+    generator = torch.Generator().manual_seed(seed)
+    config = model.config
+    hidden = torch.randn(rows, config.hidden_size, generator=generator).to(torch.bfloat16)
+    freqs = (torch.arange(rows).float() * 3)[:, None] * model.inv_freq[None, :]
+    cos, sin = (f.to(torch.bfloat16)[:, None, :] for f in (freqs.cos(), freqs.sin()))
+    attn = torch.randn(real, config.num_heads, config.head_dim, generator=generator)
+    return hidden, cos, sin, attn.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
+    """pre_attention, between_attentions and post_attention, for steps of 1 token (16 rows
+    after padding), 37 tokens (48 rows) and AMX_MAX_ROWS tokens: every output equal to the
+    compiled layers' in the rows the step uses."""
+    model = _compiled(model_dirs[arch]).engine.model
+    native, compiled = model.native_decode, model.kernels
+    assert native is not None and native.max_rows == AMX_MAX_ROWS
+    assert (model.layers[0].qkv_proj.bias is not None) == (arch == "qwen2")
+    first, second, last = model.layers[0], model.layers[1], model.layers[-1]
+
+    def outputs(kernels, hidden, cos, sin, attn) -> list[tuple[torch.Tensor, ...]]:
+        return [
+            kernels.pre_attention(first, hidden.clone(), cos, sin),
+            kernels.between_attentions(first, second, hidden.clone(), attn, cos, sin),
+            (kernels.post_attention(last, hidden.clone(), attn),),
+        ]
+
+    with torch.inference_mode():
+        for seed, (rows, real) in enumerate([(16, 1), (48, 37), (AMX_MAX_ROWS, AMX_MAX_ROWS)]):
+            inputs = _layer_inputs(model, rows, real, seed)
+            for want, got in zip(outputs(compiled, *inputs), outputs(native, *inputs),
+                                 strict=True):  # fmt: skip
+                assert len(want) == len(got)
+                for w, g in zip(want, got, strict=True):
+                    assert g.shape == w.shape and g.dtype == w.dtype
+                    assert torch.equal(g[:real], w[:real])
+
+
+def test_the_engine_runs_small_steps_natively_with_the_compiled_tokens(model_dirs, monkeypatch):
+    """Greedy tokens and logprobs of the engine with the native path equal those of the
+    compiled layers alone; its decode steps did go through the native path."""
+    llm = _compiled(model_dirs["llama"])
+    model = llm.engine.model
+    calls = []
+    original = NativeDecode.between_attentions
+
+    def counted(self, *args):
+        calls.append(args[2].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(NativeDecode, "between_attentions", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        outputs = llm.generate(PROMPTS, params)
+        return [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
+                for o in outputs]  # fmt: skip
+
+    native = run()
+    assert set(calls) == {112, 16}  # the 3 prompts (99 tokens) in one step, then decodes
+    calls.clear()
+    model.native_decode, kept = None, model.native_decode
+    assert run() == native
+    assert not calls
+    model.native_decode = kept
+
+
+def test_steps_past_the_amx_rows_keep_the_compiled_layers(model_dirs):
+    native = _compiled(model_dirs["llama"]).engine.model.native_decode
+    assert native.serves(16) and native.serves(AMX_MAX_ROWS)
+    assert not native.serves(AMX_MAX_ROWS + 16)
+
+
+def test_eager_engines_and_unservable_shapes_have_no_native_path(model_dirs, tiny_model_dir):
+    """--enforce-eager keeps the reference layers; a head_dim of 16 is not served."""
+    eager = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
+                max_model_len=256, enforce_eager=True)  # fmt: skip
+    assert eager.engine.model.native_decode is None
+    narrow = LLM(str(tiny_model_dir("llama3")[0]), dtype="bfloat16", kv_cache_memory=4 * 2**20,
+                 max_model_len=256)  # fmt: skip
+    assert NativeDecode.build(narrow.engine.model.layers) is None
