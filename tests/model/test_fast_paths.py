@@ -172,3 +172,24 @@ def test_small_batches_through_the_amx_kernel_give_onednn_values():
     assert amx_rows_for(odd, torch.ops.mkldnn._reorder_linear_weight(odd, None), None) == 0
     half = torch.randn(8, 64).to(torch.float16)
     assert amx_rows_for(half, torch.ops.mkldnn._reorder_linear_weight(half, None), None) == 0
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
+def test_the_warm_up_compiles_every_graph_a_step_needs(tiny_dir):
+    """After start-up no step compiles: a step whose token count is not its padded row count
+    (37 tokens on 48 rows) takes the layers' padding branch, which the warm-up's 17-token
+    step compiled (it used to compile in W3's second step, ~0.55 s).  The conftest model's
+    head_dim of 16 keeps every step on the compiled layers (no native path)."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
+              enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
+    assert llm.engine.model.native_decode is None
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in
+               enumerate((37, 100, 150))]  # fmt: skip
+    for prompt in prompts:
+        llm.generate([prompt], GREEDY)
+    llm.generate(prompts, GREEDY)
+    assert counters["stats"]["unique_graphs"] == graphs
