@@ -116,10 +116,10 @@ class NativeDecode:
     def build(cls, layers: Sequence[nn.Module]) -> NativeDecode | None:
         """For these layers, or None where the C path cannot serve them (no AMX build, layers
         not packed in bfloat16, shapes the C code does not take)."""
-        if _functions() is None or not layers:
+        max_rows = min((_max_rows(layer) for layer in layers), default=0)
+        if max_rows < 16 or _functions() is None:  # the layers first: no library on a GPU
             return None
-        max_rows = min(_max_rows(layer) for layer in layers)
-        return cls(layers, max_rows) if max_rows >= 16 else None
+        return cls(layers, max_rows)
 
     def serves(self, num_rows: int) -> bool:
         """A step of `num_rows` rows (already padded to a multiple of 16) runs here."""
