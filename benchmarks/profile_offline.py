@@ -2,6 +2,8 @@
 torch.profiler run on a smaller W1 (--profile-prompts), split by kvserve's profiler ranges:
 
     linear layers      the projections and the LM head (oneDNN / mm kernels)
+    native layers      kvserve::native_layers: the small steps' work between attentions in
+                       C (models/native_decode.py), projections and element-wise together
     attention          kvserve::attention (the paged-attention backend)
     element-wise       the rest of the model's forward (norms, RoPE, SiLU x gate, residuals)
     sampling           kvserve::sample
@@ -26,7 +28,8 @@ from kvserve.allocator import reexec_with_allocator
 
 INPUT_LEN, OUTPUT_LEN = 256, 128
 LINEAR_OPS = ("kvserve::packed_linear", "aten::mm", "aten::addmm")
-RANGES = {"attention": "kvserve::attention", "sampling": "kvserve::sample",
+RANGES = {"attention": "kvserve::attention", "native": "kvserve::native_layers",
+          "sampling": "kvserve::sample",
           "detokenization": "kvserve::update_detokenize", "scheduler": "kvserve::schedule",
           "model": "kvserve::model"}  # fmt: skip
 
@@ -55,8 +58,13 @@ def breakdown(llm: LLM, num: int) -> tuple[float, dict[str, float]]:
     seconds = {name: totals.get(key, 0.0) for name, key in RANGES.items()}
     shares = {
         "linear layers": linear,
+        "native layers": seconds["native"],
         "attention": seconds["attention"],
-        "element-wise": seconds["model"] - linear - seconds["attention"] - seconds["sampling"],
+        "element-wise": seconds["model"]
+        - linear
+        - seconds["native"]
+        - seconds["attention"]
+        - seconds["sampling"],
         "sampling": seconds["sampling"],
         "detokenization": seconds["detokenization"],
         "scheduler": seconds["scheduler"],

@@ -19,11 +19,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from kvserve.models.packed_linear import PackedLinear
 
 logger = logging.getLogger("kvserve")
 
+# The profiler range of each call (benchmarks/profile_offline.py reports it on its own).
+PROFILE_RANGE = "kvserve::native_layers"
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 
 
@@ -133,7 +136,7 @@ class NativeDecode:
         q = hidden.new_empty((rows, layer.num_heads, dim))
         k = hidden.new_empty((rows, layer.num_kv_heads, dim))
         qkv = hidden.new_empty((rows, (layer.num_heads + 2 * layer.num_kv_heads) * dim))
-        work_bytes = self._call["work_bytes"](ctypes.byref(self._layers[id(layer)]), rows)
+        work_bytes = self._call["work_bytes"](self._layer(layer), rows)
         return q, k, qkv, torch.empty(work_bytes, dtype=torch.uint8)
 
     @staticmethod
@@ -141,20 +144,24 @@ class NativeDecode:
         start = (layer.num_heads + layer.num_kv_heads) * layer.head_dim
         return qkv[:, start:].view(qkv.shape[0], layer.num_kv_heads, layer.head_dim)
 
-    @staticmethod
-    def _check(failed: int) -> None:
+    def _run(self, name: str, *args: object) -> None:
+        """One C call (the thread count appended), as a profiler range of its own."""
+        with record_function(PROFILE_RANGE):
+            failed = self._call[name](*args, torch.get_num_threads())
         if failed:
             raise RuntimeError("the AMX projection kernel declined a decode layer's shapes")
+
+    def _layer(self, layer: nn.Module) -> ctypes._CArgObject:
+        return ctypes.byref(self._layers[id(layer)])
 
     def pre_attention(
         self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, qkv, work = self._outputs(layer, hidden)
-        self._check(self._call["pre"](
-            ctypes.byref(self._layers[id(layer)]), hidden.data_ptr(), hidden.shape[0],
-            cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(),
-            work.data_ptr(), torch.get_num_threads(),
-        ))  # fmt: skip
+        self._run(
+            "pre", self._layer(layer), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
+            sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
+        )  # fmt: skip
         return q, k, self._value(layer, qkv)
 
     def between_attentions(
@@ -169,12 +176,11 @@ class NativeDecode:
         """As llama.between_attentions; `hidden` is updated in place and returned."""
         attn = attn.to(hidden.dtype).contiguous()
         q, k, qkv, work = self._outputs(next_layer, hidden)
-        self._check(self._call["between"](
-            ctypes.byref(self._layers[id(layer)]), ctypes.byref(self._layers[id(next_layer)]),
-            hidden.data_ptr(), attn.data_ptr(), attn.shape[0], hidden.shape[0], cos.data_ptr(),
-            sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
-            torch.get_num_threads(),
-        ))  # fmt: skip
+        self._run(
+            "between", self._layer(layer), self._layer(next_layer), hidden.data_ptr(),
+            attn.data_ptr(), attn.shape[0], hidden.shape[0], cos.data_ptr(), sin.data_ptr(),
+            q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
+        )  # fmt: skip
         return hidden, q, k, self._value(next_layer, qkv)
 
     def post_attention(
@@ -182,12 +188,10 @@ class NativeDecode:
     ) -> torch.Tensor:
         """As llama.post_attention; `hidden` is updated in place and returned."""
         attn = attn.to(hidden.dtype).contiguous()
-        work = torch.empty(
-            self._call["work_bytes"](ctypes.byref(self._layers[id(layer)]), hidden.shape[0]),
-            dtype=torch.uint8,
-        )
-        self._check(self._call["post"](
-            ctypes.byref(self._layers[id(layer)]), hidden.data_ptr(), attn.data_ptr(),
-            attn.shape[0], hidden.shape[0], work.data_ptr(), torch.get_num_threads(),
-        ))  # fmt: skip
+        work_bytes = self._call["work_bytes"](self._layer(layer), hidden.shape[0])
+        work = torch.empty(work_bytes, dtype=torch.uint8)
+        self._run(
+            "post", self._layer(layer), hidden.data_ptr(), attn.data_ptr(), attn.shape[0],
+            hidden.shape[0], work.data_ptr(),
+        )  # fmt: skip
         return hidden
