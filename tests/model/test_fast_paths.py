@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,6 +174,62 @@ def test_small_batches_through_the_amx_kernel_give_onednn_values():
     assert amx_rows_for(odd, torch.ops.mkldnn._reorder_linear_weight(odd, None), None) == 0
     half = torch.randn(8, 64).to(torch.float16)
     assert amx_rows_for(half, torch.ops.mkldnn._reorder_linear_weight(half, None), None) == 0
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
+def test_threads_that_take_each_others_column_blocks_compute_the_same_bits():
+    """linear_amx.c's threads take blocks from the back of each other's runs once their own is
+    done: who computes a block changes, its value does not.  With more threads than blocks
+    (5 threads, 3 blocks: two threads start with empty runs and steal at once) and with 8
+    threads of 3 blocks each on the machine's few cores (the late ones find their runs'
+    tails taken), the projection and the fused SiLU x gate equal the static halves' output
+    bit for bit, and the projection equals oneDNN's values."""
+    from kvserve.attention.cpu_kernels import kernel_function
+    from kvserve.models.packed_linear import _amx_linear
+
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    set_stealing = kernel_function("linear_amx_set_stealing", [ctypes.c_int])
+    fused = kernel_function(
+        "silu_gate_up_bf16_amx", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    )
+    if set_stealing is None or fused is None:
+        pytest.skip("no AMX kernel in this build")
+    torch.manual_seed(0)
+    rows = torch.randn(48, 64).to(torch.bfloat16)
+
+    def run(features: int, threads: int, stealing: int) -> tuple[torch.Tensor, torch.Tensor]:
+        set_stealing(stealing)
+        torch.set_num_threads(threads)
+        linear = _amx_linear(rows, weights[features][0], None, features)
+        activated = rows.new_full((48, features), float("nan"))
+        failed = fused(rows.data_ptr(), 64, torch.ops.mkldnn.data_ptr(weights[features][1]),
+                       activated.data_ptr(), features, 48, features, 64, threads)  # fmt: skip
+        assert linear is not None and not failed
+        return linear, activated
+
+    weights = {  # a projection of `features` columns and a [Wg; Wu] of `features` features
+        features: tuple(
+            torch.ops.mkldnn._reorder_linear_weight(
+                (torch.randn(n, 64) * 0.05).to(torch.bfloat16), None
+            )
+            for n in (features, 2 * features)
+        )
+        for features in (96, 768)
+    }
+    before = torch.get_num_threads()
+    try:
+        for features, threads, repeats in ((96, 1, 1), (96, 2, 1), (96, 5, 3), (768, 8, 10)):
+            want = torch.ops.mkldnn._linear_pointwise(
+                rows, weights[features][0], None, "none", [], ""
+            )
+            static = run(features, threads, 0)
+            for _ in range(repeats):
+                stolen = run(features, threads, 1)
+                assert torch.equal(stolen[0], static[0]) and torch.equal(stolen[1], static[1])
+                torch.testing.assert_close(stolen[0].float(), want.float(), atol=1e-2, rtol=1e-2)
+    finally:
+        set_stealing(1)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)

@@ -99,10 +99,64 @@ static inline const char *next_block_slice(const uint16_t *next, int64_t k, int6
     return *lines ? (const char *)next + first * 64 : NULL;
 }
 
-/* [*begin, *end): thread `t` of `threads`' contiguous share of `count` items. */
-static inline void thread_share(int64_t count, int t, int threads, int64_t *begin, int64_t *end) {
-    *begin = count * t / threads;
-    *end = count * (t + 1) / threads;
+/* The column blocks of one call, a contiguous run per thread that its owner walks from the
+ * front (so that it knows its next block, to prefetch) and that a thread done with its own run
+ * takes from the back of.  Static halves left one core waiting for the other: the two cores'
+ * AMX units do not run at the same speed on a shared host (two threads of equal tile work
+ * measured 2.1 and 2.6 s, one waiting 11-12% of the time; the main thread sat in libgomp for
+ * 46% of the native decode layers' time).  Stealing changes who computes a block, never how:
+ * the outputs are the same bits.  Both ends in one word, moved by compare-and-swap. */
+typedef struct {
+    _Alignas(64) uint64_t ends; /* front in the low 32 bits, back (exclusive) in the high */
+} block_run;
+
+int linear_amx_stealing = 1; /* benchmarks compare static halves (0) with stealing (1) */
+
+int linear_amx_set_stealing(int on) {
+    const int was = linear_amx_stealing;
+    linear_amx_stealing = on != 0;
+    return was;
+}
+
+static inline void run_init(block_run *run, int64_t begin, int64_t end) {
+    __atomic_store_n(&run->ends, (uint64_t)end << 32 | (uint64_t)begin, __ATOMIC_RELAXED);
+}
+
+/* The next block from the front (owner) or the back (thief), or -1 when the run is empty. */
+static inline int64_t run_take(block_run *run, int from_back) {
+    uint64_t ends = __atomic_load_n(&run->ends, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t front = ends & 0xffffffffu, back = ends >> 32;
+        if (front >= back) return -1;
+        const uint64_t taken = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
+        if (__atomic_compare_exchange_n(&run->ends, &ends, taken, 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED))
+            return (int64_t)(from_back ? back - 1 : front);
+    }
+}
+
+/* The block this thread computes next: its own run's front, else (stealing on) the back of
+ * the first other run with blocks left; -1 when none is left.  *next: the block after it in
+ * the same run, or -1 where it is not known to be this thread's (a stolen one). */
+static inline int64_t next_block(block_run *runs, int t, int threads, int64_t *next) {
+    int64_t nb = run_take(&runs[t], 0);
+    if (nb >= 0) {
+        const uint64_t ends = __atomic_load_n(&runs[t].ends, __ATOMIC_RELAXED);
+        *next = (int64_t)(ends & 0xffffffffu) < (int64_t)(ends >> 32) ? nb + 1 : -1;
+        return nb;
+    }
+    *next = -1;
+    if (!linear_amx_stealing) return -1;
+    for (int i = 1; i < threads; i++)
+        if ((nb = run_take(&runs[(t + i) % threads], 1)) >= 0) return nb;
+    return -1;
+}
+
+/* Every thread's run: thread t's contiguous share of `count` blocks, then a barrier. */
+static inline void runs_init(block_run *runs, int64_t count) {
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    run_init(&runs[t], count * t / threads, count * (t + 1) / threads);
+    #pragma omp barrier
 }
 
 int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
@@ -111,15 +165,17 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
     if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
     const int64_t blocks = (n + 31) / 32;
     const int64_t passes = (m + 31) / 32, block_elems = (k / 2) * 64;
+    block_run runs[num_threads > 0 ? num_threads : 1];
     #pragma omp parallel num_threads(num_threads)
     {
         float acc[32 * 32];
-        int64_t first, last;
-        thread_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        int64_t nb, after;
+        runs_init(runs, blocks);
         amx_configure_tiles();
-        for (int64_t nb = first; nb < last; nb++) {
+        while ((nb = next_block(runs, t, threads, &after)) >= 0) {
             const uint16_t *block = weight + nb * block_elems;
-            const uint16_t *next = nb + 1 < last ? block + block_elems : NULL;
+            const uint16_t *next = after >= 0 ? weight + after * block_elems : NULL;
             const int cols = n - nb * 32 < 32 ? (int)(n - nb * 32) : 32;
             const __mmask32 live = cols == 32 ? 0xffffffffu : (__mmask32)((1ull << cols) - 1);
             __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -157,16 +213,18 @@ int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *w
                           int64_t k, int num_threads) {
     if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
     const int64_t pairs = features / 32, passes = (m + 31) / 32, block_elems = (k / 2) * 64;
+    block_run runs[num_threads > 0 ? num_threads : 1];
     #pragma omp parallel num_threads(num_threads)
     {
         float gate[32 * 32], up[32 * 32];
-        int64_t first, last;
-        thread_share(pairs, omp_get_thread_num(), omp_get_num_threads(), &first, &last);
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        int64_t j, after;
+        runs_init(runs, pairs);
         amx_configure_tiles();
-        for (int64_t j = first; j < last; j++) {
+        while ((j = next_block(runs, t, threads, &after)) >= 0) {
             const uint16_t *gate_block = weight + j * block_elems;
             const uint16_t *up_block = weight + (j + pairs) * block_elems;
-            const int more = j + 1 < last;
+            const int more = after >= 0;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int row_tiles = m - r0 >= 32 ? 2 : 1;
                 const uint16_t *rows = x + r0 * x_stride;
