@@ -125,6 +125,54 @@ def test_steps_past_the_amx_rows_keep_the_compiled_layers(model_dirs):
     assert not native.serves(AMX_MAX_ROWS + 16)
 
 
+def test_the_warm_up_compiles_only_the_steps_the_compiled_layers_serve(model_dirs, monkeypatch):
+    """The native path is warmed up on the small steps (1, 16, 17 tokens), the compiled layers
+    then only on steps past its rows, without and with padding (144 and 145 tokens: their
+    one-token graphs would never run), and no later step compiles."""
+    from torch._dynamo.utils import counters
+
+    from kvserve.runner.model_runner import ModelRunner
+
+    warm_ups = []
+    original = ModelRunner.warm_up
+
+    def recorded(self, *token_counts):
+        warm_ups.append((*token_counts, self.model.native_decode is not None))
+        return original(self, *token_counts)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", recorded)
+    llm = _compiled(model_dirs["llama"])
+    assert warm_ups == [(True,), ((AMX_MAX_ROWS + 16, AMX_MAX_ROWS + 17), True)]
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in
+               enumerate((150, 144, 200))]  # fmt: skip
+    for prompt in prompts:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_failing_compiler_leaves_eager_layers_without_the_native_path(model_dirs, monkeypatch):
+    """The native path stands in for compiled layers only: where torch.compile fails at the
+    warm-up, the engine runs the eager layers for every step, with the eager engine's tokens."""
+    from kvserve.models import llama
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    def compile_broken(model):
+        model.kernels = llama.LayerKernels(broken, broken, broken)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
+                max_model_len=256, enforce_eager=True)  # fmt: skip
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
+    monkeypatch.setattr(llama.LlamaForCausalLM, "compile", compile_broken)
+    llm = _compiled(model_dirs["llama"])
+    assert llm.engine.model.kernels is llama.EAGER
+    assert llm.engine.model.native_decode is None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
 def test_eager_engines_and_unservable_shapes_have_no_native_path(model_dirs, tiny_model_dir):
     """--enforce-eager keeps the reference layers; a head_dim of 16 is not served."""
     eager = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,

@@ -51,7 +51,11 @@ from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
-from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
+from kvserve.runner.model_runner import (
+    ModelRunner,
+    compiled_warm_up_sizes,
+    profile_peak_activation_bytes,
+)
 from kvserve.step import (
     CompletionOutput,
     RequestOutput,
@@ -292,21 +296,27 @@ class LLMEngine:
             return
         started = time.monotonic()
         self.model.compile()
+        native = self._native_decode_warmed_up()
         try:
-            self.runner.warm_up()
+            self.runner.warm_up(compiled_warm_up_sizes(self.model.native_decode))
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
             logger.warning("torch.compile failed, running eagerly (%s: %s)", type(exc).__name__,
                            str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
             self.model.kernels = EAGER
+            self.model.native_decode = None  # it stands in for compiled layers only
             return
         logger.info("compiled the layers with torch.compile in %.1fs", time.monotonic() - started)
-        self._use_native_decode()
+        if native:
+            logger.info("steps of up to %d rows run the layers' native path",
+                        self.model.native_decode.max_rows)  # fmt: skip
 
-    def _use_native_decode(self) -> None:
+    def _native_decode_warmed_up(self) -> bool:
         """Small steps through the layers' C path (models/native_decode.py) where it serves
-        this model; it is warmed up here, and one that fails leaves the compiled layers."""
+        this model, warmed up here, before the compiled layers' warm-up, which then compiles
+        only the graphs of the steps left to them.  One that fails leaves the compiled
+        layers."""
         if not self.model.use_native_decode():
-            return
+            return False
         try:
             self.runner.warm_up()
         except Exception as exc:  # noqa: BLE001 - any failure: keep the compiled layers
@@ -314,9 +324,8 @@ class LLMEngine:
             logger.warning("the native decode layers failed, keeping the compiled ones (%s: %s)",
                            type(exc).__name__, first_line)  # fmt: skip
             self.model.native_decode = None
-            return
-        logger.info("steps of up to %d rows run the layers' native path",
-                    self.model.native_decode.max_rows)  # fmt: skip
+            return False
+        return True
 
     def _log_startup(self, seconds: float) -> None:
         mc = self.model_config

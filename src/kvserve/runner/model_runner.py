@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -27,7 +29,14 @@ from kvserve.step import (
     TokenLogprobs,
 )
 
+if TYPE_CHECKING:
+    from kvserve.models.native_decode import NativeDecode
+
 logger = logging.getLogger("kvserve")
+
+# The warm-up's steps where the compiled layers serve every step: one token (specialized),
+# whole rows, and rows with padding (ModelRunner.warm_up).
+SMALL_STEPS_WARM_UP = (1, 16, 17)
 
 
 @dataclass(frozen=True)
@@ -167,15 +176,15 @@ class ModelRunner:
             len(plan.keys), seconds, graphs.pool_bytes / 2**20, describe(plan),
         )  # fmt: skip
 
-    def warm_up(self) -> None:
-        """Run a 1-token, a 16-token and a 17-token prefill, so that torch.compile compiles
-        (or loads from its cache) the graphs it needs now, at start-up, instead of in a user's
+    def warm_up(self, token_counts: Sequence[int] = SMALL_STEPS_WARM_UP) -> None:
+        """Run a prefill of each of these token counts, so that torch.compile compiles (or
+        loads from its cache) the graphs it needs now, at start-up, instead of in a user's
         request: dynamic shapes cover every batch size, but a single token is specialized, and
         a step whose token count is not the padded row count (17 tokens on 32 rows) takes
         another branch.  Without the 17, W3's second step (963 tokens on 1,024 rows) compiled
         two graphs: ~0.55 s of a 1.3 s step."""
         num_blocks = self.kv_caches[0].key.shape[0]
-        for num_tokens in (1, 16, 17):
+        for num_tokens in token_counts:
             if cdiv(num_tokens, self.block_size) <= num_blocks:
                 self.execute(SchedulerOutput([dummy_request(num_tokens, self.block_size)], [], []))
         self._generators.clear()
@@ -263,6 +272,18 @@ class ModelRunner:
                 top_pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             out[r.request_id] = TokenLogprobs(token_id, float(logprobs[row, token_id]), top_pairs)
         return out
+
+
+def compiled_warm_up_sizes(native: NativeDecode | None) -> tuple[int, ...]:
+    """The warm-up's token counts for the compiled layers: the small steps where they serve
+    every step; where the native path (models/native_decode.py) serves the steps of up to its
+    max_rows, only steps past those, with and without padding (144 and 145 tokens for 128
+    rows).  The graphs of a one-token step would never run: the embedded model's start-up
+    compiled 7 graphs before, 5 now (the first compiled step takes ~4.8 s, from inductor's
+    on-disk cache)."""
+    if native is None:
+        return SMALL_STEPS_WARM_UP
+    return native.max_rows + 16, native.max_rows + 17
 
 
 def dummy_request(num_tokens: int, block_size: int) -> ScheduledRequest:
