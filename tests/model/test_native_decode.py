@@ -110,13 +110,84 @@ def test_the_engine_runs_small_steps_natively_with_the_compiled_tokens(model_dir
         return [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
                 for o in outputs]  # fmt: skip
 
+    whole_steps = _count_whole_steps(monkeypatch)
     native = run()
-    assert set(calls) == {112, 16}  # the 3 prompts (99 tokens) in one step, then decodes
+    assert set(calls) == {112}  # the 3 prompts (99 tokens) in one step, layer by layer
+    assert whole_steps == [16] * 11  # then the decodes, all layers in one call each
     calls.clear()
+    whole_steps.clear()
     model.native_decode, kept = None, model.native_decode
     assert run() == native
-    assert not calls
+    assert not calls and not whole_steps
     model.native_decode = kept
+
+
+def _greedy_run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    return [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
+            for o in llm.generate(PROMPTS, params)]  # fmt: skip
+
+
+def _count_whole_steps(monkeypatch) -> list[int]:
+    """The row counts of the steps that run_step serves from now on."""
+    rows = []
+    original = NativeDecode.run_step
+
+    def counted(self, layers, hidden, *args):
+        rows.append(hidden.shape[0])
+        return original(self, layers, hidden, *args)
+
+    monkeypatch.setattr(NativeDecode, "run_step", counted)
+    return rows
+
+
+def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypatch):
+    """A decode-only step runs every layer, attention included, in one C call (run_step),
+    with the per-layer native calls' greedy tokens and logprobs bit for bit; the step with
+    the prefills keeps the per-layer calls."""
+    llm = _compiled(model_dirs["llama"])
+    native = llm.engine.model.native_decode
+    assert native.runs_whole_steps
+    whole_steps = _count_whole_steps(monkeypatch)
+    whole = _greedy_run(llm)
+    assert whole_steps == [16] * 11  # the 3 prompts' 11 decode steps, not their prefill step
+    whole_steps.clear()
+    monkeypatch.setattr(native, "runs_whole_steps", False)
+    assert _greedy_run(llm) == whole
+    assert not whole_steps
+
+
+def test_one_call_steps_leave_quantized_caches_and_shared_prefixes_to_the_layers(model_dirs):
+    """decode_step_plan declines what `forward` attends otherwise: an 8-bit cache, prefills,
+    and a prefix shared by enough decodes to be attended once (128 tokens, 4 sequences)."""
+    import dataclasses
+
+    from kvserve.attention.base import AttentionMetadata
+
+    llm = _compiled(model_dirs["llama"])
+    engine = llm.engine
+    caches, dtype = engine.kv_caches, torch.bfloat16
+    tables = torch.arange(40, dtype=torch.int32).view(4, 10)
+
+    def decodes(count: int, shared_blocks: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.arange(count) + 200, num_decode_tokens=count,
+            decode_block_tables=tables[:count], decode_seq_lens=torch.full((count,), 150),
+            prefills=(), shared_prefix_blocks=shared_blocks,
+        )  # fmt: skip
+
+    plan = engine.attention.decode_step_plan(caches, decodes(4, 7), dtype)
+    assert plan is not None and plan.tables.dtype == torch.int64 and plan.block_size == 16
+    assert len(plan.caches) == 2 * len(caches) and plan.caches[1] == caches[0].value.data_ptr()
+    assert engine.attention.decode_step_plan(caches, decodes(3, 8), dtype) is not None
+    assert engine.attention.decode_step_plan(caches, decodes(4, 8), dtype) is None
+    assert engine.attention.decode_step_plan(caches, decodes(3, 8), torch.float32) is None
+    span = dataclasses.replace(decodes(1, 0), prefills=("a prefill",))
+    assert engine.attention.decode_step_plan(caches, span, dtype) is None
+    int8 = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
+               max_model_len=256, enforce_eager=False, enable_prefix_caching=False,
+               kv_cache_dtype="int8", kv_cache_dtype_check="off").engine  # fmt: skip
+    assert int8.attention.decode_step_plan(int8.kv_caches, decodes(2, 0), dtype) is None
 
 
 def test_steps_past_the_amx_rows_keep_the_compiled_layers(model_dirs):

@@ -102,6 +102,30 @@ def _kernel_can_store(key: torch.Tensor, value: torch.Tensor, kv_cache: LayerKVC
     )
 
 
+def _attends_prefix_once(
+    metadata: AttentionMetadata, prefix_len: int, inside: Sequence[PrefillSpan]
+) -> bool:
+    """The step's shared prefix is long enough, and shared by enough of its sequences (those
+    with no chunk starting `inside` it), to be attended once for all of them."""
+    num_sharing = metadata.num_decode_tokens + len(metadata.prefills) - len(inside)
+    return (
+        prefix_len >= shared_prefix.MIN_SHARED_TOKENS and num_sharing >= shared_prefix.MIN_SEQUENCES
+    )
+
+
+class DecodeStepPlan(NamedTuple):
+    """A decode-only step's attention, the same for every layer but the cache: what
+    csrc/decode_layer.c's decode_step_layers needs to run all the layers in one call
+    (models/native_decode.py)."""
+
+    caches: ctypes.Array  # [2 x layers] each layer's key and value cache data pointers
+    tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [B] int64: where each decode's new K/V row goes
+    kind: int  # the caches' storage (enum kv_kind)
+    block_size: int
+
+
 class _NewRows(NamedTuple):
     """A decode step's new K/V rows [B, Hkv, D] and their slots [B] (int64), for the kernel."""
 
@@ -140,12 +164,7 @@ class CpuPagedBackend(TorchRefBackend):
         once for all of them (shared_prefix.py)."""
         prefix_len = metadata.shared_prefix_blocks * kv_cache.key.shape[1]
         inside = [s for s in metadata.prefills if s.seq_len - s.num_query < prefix_len]
-        num_sharing = metadata.num_decode_tokens + len(metadata.prefills) - len(inside)
-        if (
-            query.device.type != "cpu"
-            or prefix_len < shared_prefix.MIN_SHARED_TOKENS
-            or num_sharing < shared_prefix.MIN_SEQUENCES
-        ):
+        if query.device.type != "cpu" or not _attends_prefix_once(metadata, prefix_len, inside):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
                 store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
@@ -165,6 +184,36 @@ class CpuPagedBackend(TorchRefBackend):
         rows, sharing = sharing_rows(metadata, inside)
         out[rows] = self._split_at_shared_prefix(query[rows], kv_cache, sharing, scale)
         return out
+
+    def decode_step_plan(
+        self, kv_caches: Sequence[LayerKVCache], metadata: AttentionMetadata, dtype: torch.dtype
+    ) -> DecodeStepPlan | None:
+        """The step's attention for a one-call decode step, where `forward` would take the
+        decode kernel storing the new rows itself in every layer with the arguments built
+        here (no prefill, no shared prefix attended once, unquantized caches of the model's
+        dtype on the CPU); else None: the layers call `forward`."""
+        first = kv_caches[0] if kv_caches else None
+        if (
+            first is None
+            or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
+            or metadata.prefills
+            or first.quantized
+            or first.key.device.type != "cpu"
+            or any(c.key.dtype != dtype or c.quantized for c in kv_caches)
+        ):
+            return None
+        prefix_len = metadata.shared_prefix_blocks * first.key.shape[1]
+        if _attends_prefix_once(metadata, prefix_len, ()):
+            return None
+        pointers = [c.data_ptr() for cache in kv_caches for c in (cache.key, cache.value)]
+        return DecodeStepPlan(
+            caches=(ctypes.c_void_p * len(pointers))(*pointers),
+            tables=metadata.decode_block_tables.to(torch.int64).contiguous(),
+            seq_lens=metadata.decode_seq_lens.to(torch.int64).contiguous(),
+            slots=metadata.slot_mapping.to(torch.int64).contiguous(),
+            kind=self._kind(first),
+            block_size=first.key.shape[1],
+        )
 
     def _prefills(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from kvserve.models.packed_linear import (
     pack_linear_layers,
     padded_rows,
 )
+
+if TYPE_CHECKING:
+    from kvserve.attention.cpu_paged import DecodeStepPlan
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -263,6 +267,10 @@ class LlamaForCausalLM(nn.Module):
         kernels, layers = self.kernels, self.layers
         if self.native_decode is not None and self.native_decode.serves(hidden.shape[0]):
             kernels = self.native_decode
+            plan = self._whole_step_plan(kv_caches, metadata, backend, hidden.dtype)
+            if plan is not None:
+                hidden = kernels.run_step(layers, hidden, cos, sin, num_tokens, plan)
+                return self.norm(hidden)[:num_tokens]
         q, k, v = kernels.pre_attention(layers[0], hidden, cos, sin)
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             with record_function("kvserve::attention"):
@@ -274,6 +282,25 @@ class LlamaForCausalLM(nn.Module):
                     layer, layers[index + 1], hidden, attn, cos, sin
                 )
         return self.norm(kernels.post_attention(layers[-1], hidden, attn))[:num_tokens]
+
+    def _whole_step_plan(
+        self,
+        kv_caches: list[LayerKVCache],
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> DecodeStepPlan | None:
+        """The attention's arguments for running this step's layers in one native call, or
+        None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only,
+        no shared prefix attended once), the layers differ in shape, or a profiler is on (its
+        breakdown needs the per-layer calls' ranges, attention apart from the layers)."""
+        native = self.native_decode
+        plan_for = getattr(backend, "decode_step_plan", None)
+        if native is None or not native.runs_whole_steps or plan_for is None:
+            return None
+        if torch.autograd.profiler._is_profiler_enabled:
+            return None
+        return plan_for(kv_caches, metadata, dtype)
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's token ids or positions [T], followed by zeros up to the row count that

@@ -16,12 +16,16 @@ import ctypes
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 from kvserve.models.packed_linear import PackedLinear
+
+if TYPE_CHECKING:
+    from kvserve.attention.cpu_paged import DecodeStepPlan
 
 logger = logging.getLogger("kvserve")
 
@@ -59,6 +63,9 @@ def _functions() -> dict[str, Callable[..., int]] | None:
                                                                  ptr, ptr, ptr, ptr, ptr, ptr,
                                                                  i32]),
         "post": kernel_function("decode_post_attention", [ptr, ptr, ptr, i64, i64, ptr, i32]),
+        "step": kernel_function("decode_step_layers", [ptr, ptr, i32, ptr, i64, i64, ptr, ptr,
+                                                       ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr,
+                                                       ptr, i32, i32, ctypes.c_float, i32]),
     }  # type: ignore[dict-item]  # fmt: skip
 
 
@@ -113,6 +120,13 @@ class NativeDecode:
         assert functions is not None
         self._call = functions
         self._layers = {id(layer): _describe(layer) for layer in layers}
+        # The same descriptions in the layers' order, contiguous, for decode_step_layers.
+        self._all_layers = (_Layer * len(layers))(*(self._layers[id(x)] for x in layers))
+        self._num_layers = len(layers)
+        # decode_step_layers sizes its buffers and reads V by the first layer's shape.
+        shapes = {(d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim)
+                  for d in self._all_layers}  # fmt: skip
+        self.runs_whole_steps = len(shapes) == 1
         self.max_rows = max_rows
 
     @classmethod
@@ -149,7 +163,10 @@ class NativeDecode:
         with record_function(PROFILE_RANGE):
             failed = self._call[name](*args, torch.get_num_threads())
         if failed:
-            raise RuntimeError("the AMX projection kernel declined a decode layer's shapes")
+            raise RuntimeError(
+                "the native decode kernels failed: a projection declined its shapes, or the "
+                "attention had no memory for its buffers"
+            )
 
     def _layer(self, layer: nn.Module) -> ctypes._CArgObject:
         return ctypes.byref(self._layers[id(layer)])
@@ -193,5 +210,32 @@ class NativeDecode:
         self._run(
             "post", self._layer(layer), hidden.data_ptr(), attn.data_ptr(), attn.shape[0],
             hidden.shape[0], work.data_ptr(),
+        )  # fmt: skip
+        return hidden
+
+    def run_step(
+        self,
+        layers: Sequence[nn.Module],
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_tokens: int,
+        plan: DecodeStepPlan,
+    ) -> torch.Tensor:
+        """Every layer of a decode step, attention included, in one C call (decode_step_layers
+        in csrc/decode_layer.c): the per-layer calls' values bit for bit, without the Python
+        between them.  `layers` must be the ones this object was built for, in order;
+        `hidden` is updated in place and returned (before the final norm)."""
+        if len(layers) != self._num_layers or not self.runs_whole_steps:
+            raise ValueError("run_step takes all the layers it was built for, of one shape")
+        first = layers[0]
+        q, k, qkv, work = self._outputs(first, hidden)
+        attn = hidden.new_empty((num_tokens, first.num_heads * first.head_dim))
+        self._run(
+            "step", self._all_layers, plan.caches, self._num_layers, hidden.data_ptr(),
+            num_tokens, hidden.shape[0], cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+            k.data_ptr(), qkv.data_ptr(), attn.data_ptr(), work.data_ptr(), plan.kind,
+            plan.tables.data_ptr(), plan.seq_lens.data_ptr(), plan.slots.data_ptr(),
+            plan.tables.shape[1], plan.block_size, first.scale,
         )  # fmt: skip
         return hidden
