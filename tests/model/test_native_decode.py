@@ -157,16 +157,18 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypa
     assert not whole_steps
 
 
-def test_one_call_steps_leave_quantized_caches_and_shared_prefixes_to_the_layers(model_dirs):
-    """decode_step_plan declines what `forward` attends otherwise: an 8-bit cache, prefills,
-    and a prefix shared by enough decodes to be attended once (128 tokens, 4 sequences)."""
+def test_one_call_steps_leave_quantized_caches_and_prefills_to_the_layers(model_dirs):
+    """decode_step_plan declines what `forward` attends otherwise (an 8-bit cache, prefills,
+    float32 queries), and plans a prefix shared by enough decodes to be attended once (128
+    tokens, 4 sequences) as `forward` splits it: the first sequence's prefix blocks, each
+    sequence's length past the prefix, buffers for the prefix's outputs and log-sum-exps."""
     import dataclasses
 
     from kvserve.attention.base import AttentionMetadata
 
     llm = _compiled(model_dirs["llama"])
     engine = llm.engine
-    caches, dtype = engine.kv_caches, torch.bfloat16
+    caches, dtype, heads = engine.kv_caches, torch.bfloat16, 4
     tables = torch.arange(40, dtype=torch.int32).view(4, 10)
 
     def decodes(count: int, shared_blocks: int) -> AttentionMetadata:
@@ -176,18 +178,58 @@ def test_one_call_steps_leave_quantized_caches_and_shared_prefixes_to_the_layers
             prefills=(), shared_prefix_blocks=shared_blocks,
         )  # fmt: skip
 
-    plan = engine.attention.decode_step_plan(caches, decodes(4, 7), dtype)
-    assert plan is not None and plan.tables.dtype == torch.int64 and plan.block_size == 16
-    assert len(plan.caches) == 2 * len(caches) and plan.caches[1] == caches[0].value.data_ptr()
-    assert engine.attention.decode_step_plan(caches, decodes(3, 8), dtype) is not None
-    assert engine.attention.decode_step_plan(caches, decodes(4, 8), dtype) is None
-    assert engine.attention.decode_step_plan(caches, decodes(3, 8), torch.float32) is None
-    span = dataclasses.replace(decodes(1, 0), prefills=("a prefill",))
-    assert engine.attention.decode_step_plan(caches, span, dtype) is None
+    def plan(metadata, kv_caches=caches, model_dtype=dtype):
+        return engine.attention.decode_step_plan(kv_caches, metadata, model_dtype, heads)
+
+    whole = plan(decodes(4, 7))  # 112 shared tokens: not attended apart
+    assert whole.tables.dtype == torch.int64 and whole.block_size == 16
+    assert len(whole.caches) == 2 * len(caches) and whole.caches[1] == caches[0].value.data_ptr()
+    assert whole.prefix_blocks == 0 and whole.prior_out is None
+    assert whole.seq_lens.tolist() == [150] * 4
+    assert plan(decodes(3, 8)).prefix_blocks == 0  # 3 sequences: not attended apart
+    split = plan(decodes(4, 8))
+    assert split.prefix_blocks == 8 and split.prefix_table.tolist() == list(range(8))
+    assert split.seq_lens.tolist() == [150 - 128] * 4
+    assert split.prior_out.shape == (4, heads, 32) and split.prior_lse.shape == (4, heads)
+    assert plan(decodes(3, 8), model_dtype=torch.float32) is None
+    assert plan(dataclasses.replace(decodes(1, 0), prefills=("a prefill",))) is None
     int8 = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                max_model_len=256, enforce_eager=False, enable_prefix_caching=False,
                kv_cache_dtype="int8", kv_cache_dtype_check="off").engine  # fmt: skip
-    assert int8.attention.decode_step_plan(int8.kv_caches, decodes(2, 0), dtype) is None
+    assert plan(decodes(2, 0), kv_caches=int8.kv_caches) is None
+
+
+def test_decode_steps_after_a_shared_prefix_in_one_call_give_the_per_layer_tokens(model_dirs):
+    """Six requests after one 160-token prefix: their decode steps attend the prefix once for
+    all (`forward`'s split) inside the one-call step, with the per-layer path's greedy tokens
+    and logprobs bit for bit (each run on an engine of its own: a second run on one engine
+    would read its prompts from the prefix cache)."""
+    prefix = [(i * 7919) % 40000 + 7 for i in range(160)]
+    prompts = [prefix + [(i * 31 + j) % 40000 + 7 for i in range(5 + j)] for j in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+
+    def run(whole_steps: bool) -> tuple[list, list[int]]:
+        llm = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
+                  max_model_len=256, enforce_eager=False)  # fmt: skip
+        native = llm.engine.model.native_decode
+        native.runs_whole_steps = whole_steps
+        prefixes = []
+        original = native.run_step
+
+        def counted(layers, hidden, cos, sin, num_tokens, plan):
+            prefixes.append(plan.prefix_blocks)
+            return original(layers, hidden, cos, sin, num_tokens, plan)
+
+        native.run_step = counted
+        outputs = llm.generate(prompts, params)
+        tokens = [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
+                  for o in outputs]  # fmt: skip
+        return tokens, prefixes
+
+    whole, prefixes = run(True)
+    assert prefixes == [10] * 9  # the 9 decode steps, each after the 10 shared blocks
+    per_layer, none = run(False)
+    assert per_layer == whole and none == []
 
 
 def test_steps_past_the_amx_rows_keep_the_compiled_layers(model_dirs):

@@ -120,10 +120,16 @@ class DecodeStepPlan(NamedTuple):
 
     caches: ctypes.Array  # [2 x layers] each layer's key and value cache data pointers
     tables: torch.Tensor  # [B, max_blocks] int64
-    seq_lens: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64: tokens past the shared prefix (all, without one)
     slots: torch.Tensor  # [B] int64: where each decode's new K/V row goes
     kind: int  # the caches' storage (enum kv_kind)
     block_size: int
+    # A shared prefix attended once for all the decodes (0 blocks: none), its blocks, and the
+    # buffers of its attention's outputs and log-sum-exps, [B, H, D] and [B, H] float32.
+    prefix_blocks: int = 0
+    prefix_table: torch.Tensor | None = None
+    prior_out: torch.Tensor | None = None
+    prior_lse: torch.Tensor | None = None
 
 
 class _NewRows(NamedTuple):
@@ -186,12 +192,17 @@ class CpuPagedBackend(TorchRefBackend):
         return out
 
     def decode_step_plan(
-        self, kv_caches: Sequence[LayerKVCache], metadata: AttentionMetadata, dtype: torch.dtype
+        self,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+        dtype: torch.dtype,  # the queries'
+        num_heads: int,  # query heads
     ) -> DecodeStepPlan | None:
         """The step's attention for a one-call decode step, where `forward` would take the
         decode kernel storing the new rows itself in every layer with the arguments built
-        here (no prefill, no shared prefix attended once, unquantized caches of the model's
-        dtype on the CPU); else None: the layers call `forward`."""
+        here (no prefill, unquantized caches of the model's dtype on the CPU), after the
+        paged prefill kernel for a shared prefix attended once (`_split_at_shared_prefix`'s
+        decode-only case); else None: the layers call `forward`."""
         first = kv_caches[0] if kv_caches else None
         if (
             first is None
@@ -202,17 +213,28 @@ class CpuPagedBackend(TorchRefBackend):
             or any(c.key.dtype != dtype or c.quantized for c in kv_caches)
         ):
             return None
-        prefix_len = metadata.shared_prefix_blocks * first.key.shape[1]
-        if _attends_prefix_once(metadata, prefix_len, ()):
-            return None
+        block_size = first.key.shape[1]
+        prefix_len = metadata.shared_prefix_blocks * block_size
         pointers = [c.data_ptr() for cache in kv_caches for c in (cache.key, cache.value)]
-        return DecodeStepPlan(
+        plan = DecodeStepPlan(
             caches=(ctypes.c_void_p * len(pointers))(*pointers),
             tables=metadata.decode_block_tables.to(torch.int64).contiguous(),
             seq_lens=metadata.decode_seq_lens.to(torch.int64).contiguous(),
             slots=metadata.slot_mapping.to(torch.int64).contiguous(),
             kind=self._kind(first),
-            block_size=first.key.shape[1],
+            block_size=block_size,
+        )
+        if not _attends_prefix_once(metadata, prefix_len, ()):
+            return plan
+        if not self._bf16_prefill or block_size % 16 or first.key.dtype != torch.bfloat16:
+            return None  # forward gathers the prefix for SDPA: the layers call it
+        rows, dim = metadata.num_decode_tokens, first.key.shape[3]
+        return plan._replace(
+            seq_lens=plan.seq_lens - prefix_len,
+            prefix_blocks=metadata.shared_prefix_blocks,
+            prefix_table=plan.tables[0, : metadata.shared_prefix_blocks].contiguous(),
+            prior_out=torch.empty((rows, num_heads, dim), dtype=torch.float32),
+            prior_lse=torch.empty((rows, num_heads), dtype=torch.float32),
         )
 
     def _prefills(

@@ -291,8 +291,8 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
     ) -> DecodeStepPlan | None:
         """The attention's arguments for running this step's layers in one native call, or
-        None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only,
-        no shared prefix attended once), the layers differ in shape, or a profiler is on (its
+        None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only),
+        the layers differ in shape, or a profiler is on (its
         breakdown needs the per-layer calls' ranges, attention apart from the layers)."""
         native = self.native_decode
         plan_for = getattr(backend, "decode_step_plan", None)
@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         if torch.autograd.profiler._is_profiler_enabled:
             return None
-        return plan_for(kv_caches, metadata, dtype)
+        return plan_for(kv_caches, metadata, dtype, self.config.num_heads)
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's token ids or positions [T], followed by zeros up to the row count that

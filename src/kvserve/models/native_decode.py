@@ -65,8 +65,13 @@ def _functions() -> dict[str, Callable[..., int]] | None:
         "post": kernel_function("decode_post_attention", [ptr, ptr, ptr, i64, i64, ptr, i32]),
         "step": kernel_function("decode_step_layers", [ptr, ptr, i32, ptr, i64, i64, ptr, ptr,
                                                        ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr,
-                                                       ptr, i32, i32, ctypes.c_float, i32]),
+                                                       ptr, i32, i32, ctypes.c_float, ptr, i32,
+                                                       ptr, ptr, i32]),
     }  # type: ignore[dict-item]  # fmt: skip
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _packed_pointer(linear: nn.Module) -> int:
@@ -236,6 +241,7 @@ class NativeDecode:
             num_tokens, hidden.shape[0], cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
             k.data_ptr(), qkv.data_ptr(), attn.data_ptr(), work.data_ptr(), plan.kind,
             plan.tables.data_ptr(), plan.seq_lens.data_ptr(), plan.slots.data_ptr(),
-            plan.tables.shape[1], plan.block_size, first.scale,
+            plan.tables.shape[1], plan.block_size, first.scale, _pointer(plan.prefix_table),
+            plan.prefix_blocks, _pointer(plan.prior_out), _pointer(plan.prior_lse),
         )  # fmt: skip
         return hidden

@@ -217,26 +217,52 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
  * as the per-layer calls of models/native_decode.py, so the same values bit for bit; what it
  * spares is the Python between them, ~0.3 ms a layer (~8 of a 32-row step's ~45 ms).
  * caches[2 i], caches[2 i + 1]: layer i's key and value cache ([blocks, block_size, Hkv, D],
- * `kind` storage, unquantized).  attn [m, Hq * D] bf16.  Returns 0, or 1 where a projection
- * declined its shapes or the attention ran out of memory (nothing of the step is usable). */
+ * `kind` storage, unquantized).  attn [m, Hq * D] bf16.
+ * A shared prefix (prefix_blocks > 0, every sequence's first blocks, listed in prefix_table):
+ * attended once for all m queries (prefill_bf16.c, into prior_out [m, Hq, D] and prior_lse
+ * [m, Hq] float32), then each sequence over its own blocks past it (block_tables rows from
+ * their prefix_blocks-th entry, seq_lens counting the tokens past the prefix), merged by the
+ * log-sum-exps in the decode kernel: attention/cpu_paged.py's split at the shared prefix.
+ * Returns 0, or 1 where a projection declined its shapes or an attention ran out of memory
+ * (nothing of the step is usable). */
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
+                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
+                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
+                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
+                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
+                           float *lse, int engine, int num_threads, const int64_t *kv_table,
+                           int64_t table_stride, int64_t kv_block_size);
+
 int decode_step_layers(const decode_layer *layers, void *const *caches, int num_layers,
                        uint16_t *hidden, int64_t m, int64_t mp, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *qkv,
                        uint16_t *attn, void *work, int kind, const int64_t *block_tables,
                        const int64_t *seq_lens, const int64_t *slots, int max_blocks,
-                       int block_size, float sm_scale, int threads) {
+                       int block_size, float sm_scale, const int64_t *prefix_table,
+                       int prefix_blocks, float *prior_out, float *prior_lse, int threads) {
     const decode_layer *l = layers;
     const int64_t kv_row_bytes = (int64_t)l->num_kv_heads * l->head_dim * 2;
     const int64_t qkv_row_bytes = ((int64_t)l->num_heads + 2 * l->num_kv_heads) * l->head_dim * 2;
     const uint16_t *v = qkv + ((int64_t)l->num_heads + l->num_kv_heads) * l->head_dim;
     if (decode_pre_attention(l, hidden, mp, cos, sin, q, k, qkv, work, threads)) return 1;
+    const int64_t q_row = (int64_t)l->num_heads * l->head_dim;
+    const int shared = prefix_blocks > 0;
     for (int i = 0; i < num_layers; i++) {
         l = layers + i;
+        if (shared && prefill_attention_bf16(q, q_row, m * q_row, caches[2 * i],
+                                             kv_row_bytes / 2, 0, caches[2 * i + 1],
+                                             kv_row_bytes / 2, 0, 1, m,
+                                             (int64_t)prefix_blocks * block_size, l->num_heads,
+                                             l->num_kv_heads, l->head_dim, sm_scale, 0, NULL,
+                                             prior_out, prior_lse, 0, threads, prefix_table,
+                                             prefix_blocks, block_size))
+            return 1;
         if (paged_decode_attention(q, attn, caches[2 * i], caches[2 * i + 1], NULL, NULL, NULL,
-                                   kind, block_tables, seq_lens, (int)m, max_blocks,
-                                   l->num_kv_heads, l->num_heads / l->num_kv_heads, l->head_dim,
-                                   block_size, sm_scale, threads, NULL, 1, k, v, kv_row_bytes,
-                                   qkv_row_bytes, slots, NULL, NULL))
+                                   kind, block_tables + prefix_blocks, seq_lens, (int)m,
+                                   max_blocks, l->num_kv_heads, l->num_heads / l->num_kv_heads,
+                                   l->head_dim, block_size, sm_scale, threads, NULL, 1, k, v,
+                                   kv_row_bytes, qkv_row_bytes, slots, shared ? prior_out : NULL,
+                                   shared ? prior_lse : NULL))
             return 1;
         int failed = i + 1 < num_layers
                          ? decode_between_attentions(l, l + 1, hidden, attn, m, mp, cos, sin, q,
