@@ -51,7 +51,9 @@ _SOURCES = tuple(
     )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.
-_HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("vec_exp.h", "amx_tiles.h"))
+_HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("vec_exp.h", "amx_tiles.h", "entry_points.h")
+)
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
     # Let the dot products vectorize (reassociation) without -ffast-math's process-wide

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "entry_points.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
@@ -200,16 +202,6 @@ int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_
     return mlp_block(l, NULL, hidden, attn, m, mp, work, &normed, threads);
 }
 
-int paged_decode_attention(const void *query, void *out, void *key, void *value,
-                           const float *key_scale, const float *value_scale, const float *lut,
-                           int kind, const int64_t *block_tables, const int64_t *seq_lens,
-                           int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
-                           int block_size, float sm_scale, int num_threads, float *lse,
-                           int io_bf16, const void *new_key, const void *new_value,
-                           int64_t new_key_stride_bytes, int64_t new_value_stride_bytes,
-                           const int64_t *new_slots, const float *prior_out,
-                           const float *prior_lse);
-
 /* A decode step's layers in one call: the pre-attention work of the first layer, then per
  * layer the paged attention of the step's m tokens (paged_decode.c, which stores each token's
  * new K/V row in its slot before attending it) and the work between it and the next layer's
@@ -225,14 +217,6 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
  * log-sum-exps in the decode kernel: attention/cpu_paged.py's split at the shared prefix.
  * Returns 0, or 1 where a projection declined its shapes or an attention ran out of memory
  * (nothing of the step is usable). */
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
-                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
-                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
-                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
-                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int engine, int num_threads, const int64_t *kv_table,
-                           int64_t table_stride, int64_t kv_block_size);
-
 int decode_step_layers(const decode_layer *layers, void *const *caches, int num_layers,
                        uint16_t *hidden, int64_t m, int64_t mp, const uint16_t *cos,
                        const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *qkv,

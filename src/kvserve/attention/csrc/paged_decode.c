@@ -25,8 +25,12 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+
 #include <stdlib.h>
 #include <string.h>
+
+#include "entry_points.h"
+
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

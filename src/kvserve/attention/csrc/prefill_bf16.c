@@ -32,8 +32,11 @@
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
+
 #include <stdlib.h>
 #include <string.h>
+
+#include "entry_points.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define PREFILL_HAS_VECTORS 1

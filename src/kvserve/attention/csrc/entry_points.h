@@ -1,0 +1,27 @@
+/*
+ * Entry points that one kernel file calls in another (decode_layer.c's one-call decode step
+ * calls the paged decode and prefill attentions).  Each defining file includes this too, so
+ * the compiler checks that the definition and the callers agree.
+ */
+#ifndef KVSERVE_ENTRY_POINTS_H
+#define KVSERVE_ENTRY_POINTS_H
+#include <stdint.h>
+
+int paged_decode_attention(const void *query, void *out, void *key, void *value,
+                           const float *key_scale, const float *value_scale, const float *lut,
+                           int kind, const int64_t *block_tables, const int64_t *seq_lens,
+                           int num_seqs, int max_blocks, int num_kv_heads, int group, int dim,
+                           int block_size, float sm_scale, int num_threads, float *lse,
+                           int io_bf16, const void *new_key, const void *new_value,
+                           int64_t new_key_stride_bytes, int64_t new_value_stride_bytes,
+                           const int64_t *new_slots, const float *prior_out,
+                           const float *prior_lse);
+
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
+                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
+                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
+                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
+                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
+                           float *lse, int engine, int num_threads, const int64_t *kv_table,
+                           int64_t table_stride, int64_t kv_block_size);
+#endif
