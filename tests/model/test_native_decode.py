@@ -294,3 +294,20 @@ def test_eager_engines_and_unservable_shapes_have_no_native_path(model_dirs, tin
     narrow = LLM(str(tiny_model_dir("llama3")[0]), dtype="bfloat16", kv_cache_memory=4 * 2**20,
                  max_model_len=256)  # fmt: skip
     assert NativeDecode.build(narrow.engine.model.layers) is None
+
+
+def test_a_running_profiler_keeps_the_per_layer_calls(model_dirs, monkeypatch):
+    """Under torch.profiler the decode steps take the per-layer calls, each a range of its
+    own, so that benchmarks/profile_offline.py tells attention from the layers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = _compiled(model_dirs["llama"])
+    whole_steps = _count_whole_steps(monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(PROMPTS[:1], params)
+    counts = {event.key: event.count for event in prof.key_averages()}
+    assert not whole_steps
+    assert counts["kvserve::attention"] == 4 * 3  # 4 steps x 3 layers
+    llm.generate(PROMPTS[:1], params)
+    assert whole_steps == [16] * 3  # without the profiler: the 3 decode steps in one call

@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         plan_for = getattr(backend, "decode_step_plan", None)
         if native is None or not native.runs_whole_steps or plan_for is None:
             return None
-        if torch.autograd.profiler._is_profiler_enabled:
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):  # torch's flag
             return None
         return plan_for(kv_caches, metadata, dtype, self.config.num_heads)
 
