@@ -208,7 +208,6 @@ class CpuPagedBackend(TorchRefBackend):
             first is None
             or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
             or metadata.prefills
-            or first.quantized
             or first.key.device.type != "cpu"
             or any(c.key.dtype != dtype or c.quantized for c in kv_caches)
         ):
@@ -226,7 +225,7 @@ class CpuPagedBackend(TorchRefBackend):
         )
         if not _attends_prefix_once(metadata, prefix_len, ()):
             return plan
-        if not self._bf16_prefill or block_size % 16 or first.key.dtype != torch.bfloat16:
+        if not self._bf16_prefill or block_size % 16:
             return None  # forward gathers the prefix for SDPA: the layers call it
         rows, dim = metadata.num_decode_tokens, first.key.shape[3]
         return plan._replace(

@@ -292,8 +292,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> DecodeStepPlan | None:
         """The attention's arguments for running this step's layers in one native call, or
         None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only),
-        the layers differ in shape, or a profiler is on (its
-        breakdown needs the per-layer calls' ranges, attention apart from the layers)."""
+        the layers differ in shape, or a profiler is on (its breakdown needs the per-layer
+        calls' ranges, attention apart from the layers)."""
         native = self.native_decode
         plan_for = getattr(backend, "decode_step_plan", None)
         if native is None or not native.runs_whole_steps or plan_for is None:

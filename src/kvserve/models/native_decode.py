@@ -127,7 +127,6 @@ class NativeDecode:
         self._layers = {id(layer): _describe(layer) for layer in layers}
         # The same descriptions in the layers' order, contiguous, for decode_step_layers.
         self._all_layers = (_Layer * len(layers))(*(self._layers[id(x)] for x in layers))
-        self._num_layers = len(layers)
         # decode_step_layers sizes its buffers and reads V by the first layer's shape.
         shapes = {(d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim)
                   for d in self._all_layers}  # fmt: skip
@@ -231,13 +230,13 @@ class NativeDecode:
         in csrc/decode_layer.c): the per-layer calls' values bit for bit, without the Python
         between them.  `layers` must be the ones this object was built for, in order;
         `hidden` is updated in place and returned (before the final norm)."""
-        if len(layers) != self._num_layers or not self.runs_whole_steps:
+        if len(layers) != len(self._all_layers) or not self.runs_whole_steps:
             raise ValueError("run_step takes all the layers it was built for, of one shape")
         first = layers[0]
         q, k, qkv, work = self._outputs(first, hidden)
         attn = hidden.new_empty((num_tokens, first.num_heads * first.head_dim))
         self._run(
-            "step", self._all_layers, plan.caches, self._num_layers, hidden.data_ptr(),
+            "step", self._all_layers, plan.caches, len(self._all_layers), hidden.data_ptr(),
             num_tokens, hidden.shape[0], cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
             k.data_ptr(), qkv.data_ptr(), attn.data_ptr(), work.data_ptr(), plan.kind,
             plan.tables.data_ptr(), plan.seq_lens.data_ptr(), plan.slots.data_ptr(),

@@ -25,7 +25,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-
 #include <stdlib.h>
 #include <string.h>
 

@@ -32,7 +32,6 @@
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
-
 #include <stdlib.h>
 #include <string.h>
 
