@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
-from kvserve.models.packed_linear import AMX_MAX_ROWS, LOGITS_AMX_MAX_ROWS, PackedLinear, can_pack
+from kvserve.models.packed_linear import AMX_ALL_ROWS, LOGITS_AMX_MAX_ROWS, PackedLinear, can_pack
 from kvserve.runner.sampling import _argmax
 
 PROMPTS = [[(i * 7919 + j) % 40000 + 7 for i in range(20 + 13 * j)] for j in range(3)]
@@ -132,25 +132,27 @@ def test_rows_padded_once_per_step_give_the_same_logprobs(tiny_dir):
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
 def test_the_lm_head_leaves_batches_past_32_rows_to_onednn(tiny_dir):
-    """The AMX kernel streams the layers' projections faster than oneDNN up to 128 rows, but
-    not the LM head past 32 (LOGITS_AMX_MAX_ROWS): a 64-row decode's logits are oneDNN's."""
+    """The AMX kernel computes the layers' projections faster than oneDNN at every row count,
+    but not the LM head past 32 (LOGITS_AMX_MAX_ROWS): a 64-row decode's logits are oneDNN's."""
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
               enforce_eager=True)  # fmt: skip
     model = llm.engine.model
     head = model.logits_head
     assert 0 <= head.amx_rows <= LOGITS_AMX_MAX_ROWS
-    assert all(layer.qkv_proj.amx_rows in (0, AMX_MAX_ROWS) for layer in model.layers)
+    assert all(layer.qkv_proj.amx_rows in (0, AMX_ALL_ROWS) for layer in model.layers)
     x = torch.randn(64, head.in_features).to(torch.bfloat16)
     want = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
     assert torch.equal(head(x), want)
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
-def test_small_batches_through_the_amx_kernel_give_onednn_values():
-    """Up to AMX_MAX_ROWS rows, a bf16 PackedLinear runs csrc/linear_amx.c over oneDNN's packed
+def test_every_row_count_through_the_amx_kernel_gives_onednn_values():
+    """At every row count, a bf16 PackedLinear runs csrc/linear_amx.c over oneDNN's packed
     weight: the same values as oneDNN's own call (but for rare last-bit roundings of a
-    different summation order), with and without bias, columns not a multiple of 32."""
-    from kvserve.models.packed_linear import AMX_MAX_ROWS, amx_rows_for
+    different summation order), with and without bias, columns not a multiple of 32, and
+    past 256 rows, where the kernel runs in chunks of rows (528: two whole chunks and 16
+    rows)."""
+    from kvserve.models.packed_linear import amx_rows_for
 
     torch.manual_seed(0)
     for out_features, in_features in [(96, 64), (40, 64), (960, 576)]:
@@ -160,13 +162,13 @@ def test_small_batches_through_the_amx_kernel_give_onednn_values():
             layer = PackedLinear(weight, b)
             if layer.amx_rows == 0:
                 pytest.skip("no AMX kernel on this CPU")
-            assert layer.amx_rows == AMX_MAX_ROWS
-            for rows in (1, 16, 33, 100, AMX_MAX_ROWS):
+            assert layer.amx_rows == AMX_ALL_ROWS
+            for rows in (1, 16, 33, 100, 128, 528):
                 x = torch.randn(rows, in_features).to(torch.bfloat16)
                 got = layer(x)
                 layer.amx_rows = 0
                 want = layer(x)  # oneDNN
-                layer.amx_rows = AMX_MAX_ROWS
+                layer.amx_rows = AMX_ALL_ROWS
                 assert got.shape == want.shape == (rows, out_features)
                 torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
                 assert (got != want).float().mean().item() < 1e-3

@@ -1,5 +1,6 @@
 """The layers' native path (models/native_decode.py, csrc/decode_layer.c) against the compiled
 layers it stands in for: the same values bit for bit, layer by layer and through the engine.
+Where it serves a model, the engine runs every step there and compiles nothing.
 
 The tiny models here have head_dim 32 (the C code takes head_dims and hidden sizes that are
 multiples of 32: the conftest models' head_dim of 16 is not served), llama without and qwen2
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.models.llama import compiled_kernels
 from kvserve.models.native_decode import NativeDecode, _functions
-from kvserve.models.packed_linear import AMX_MAX_ROWS, can_pack
+from kvserve.models.packed_linear import AMX_ALL_ROWS, can_pack
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16) or _functions() is None,
@@ -44,8 +46,9 @@ def model_dirs(tmp_path_factory, embedded_tokenizer):
 
 
 def _compiled(directory: str) -> LLM:
-    """A compiled engine.  No prefix caching: a second run must compute what the first did,
-    not read its K/V back."""
+    """An engine as `kvserve serve` starts it (not eager: the native path, or else the
+    compiled layers).  No prefix caching: a second run must compute what the first did, not
+    read its K/V back."""
     return LLM(directory, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
                enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
 
@@ -64,11 +67,13 @@ def _layer_inputs(model, rows: int, real: int, seed: int):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
     """pre_attention, between_attentions and post_attention, for steps of 1 token (16 rows
-    after padding), 37 tokens (48 rows) and AMX_MAX_ROWS tokens: every output equal to the
-    compiled layers' in the rows the step uses."""
+    after padding), 37 tokens (48 rows), 128 tokens and a prefill's 520 tokens (528 rows:
+    the projections' kernel takes them in chunks of 256): every output equal to the compiled
+    layers' in the rows the step uses."""
     model = _compiled(model_dirs[arch]).engine.model
-    native, compiled = model.native_decode, model.kernels
-    assert native is not None and native.max_rows == AMX_MAX_ROWS
+    native, compiled = model.native_decode, compiled_kernels()
+    assert native is not None
+    assert all(layer.qkv_proj.amx_rows == AMX_ALL_ROWS for layer in model.layers)
     assert (model.layers[0].qkv_proj.bias is not None) == (arch == "qwen2")
     first, second, last = model.layers[0], model.layers[1], model.layers[-1]
 
@@ -80,7 +85,7 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
         ]
 
     with torch.inference_mode():
-        for seed, (rows, real) in enumerate([(16, 1), (48, 37), (AMX_MAX_ROWS, AMX_MAX_ROWS)]):
+        for seed, (rows, real) in enumerate([(16, 1), (48, 37), (128, 128), (528, 520)]):
             inputs = _layer_inputs(model, rows, real, seed)
             for want, got in zip(outputs(compiled, *inputs), outputs(native, *inputs),
                                  strict=True):  # fmt: skip
@@ -90,9 +95,10 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
                     assert torch.equal(g[:real], w[:real])
 
 
-def test_the_engine_runs_small_steps_natively_with_the_compiled_tokens(model_dirs, monkeypatch):
-    """Greedy tokens and logprobs of the engine with the native path equal those of the
-    compiled layers alone; its decode steps did go through the native path."""
+def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs, monkeypatch):
+    """Greedy tokens and logprobs of the engine, which runs every step natively (a prefill step
+    of 339 tokens, past the projections' 256-row chunks, too), equal those of the compiled
+    layers alone; its decode steps did go through the native path."""
     llm = _compiled(model_dirs["llama"])
     model = llm.engine.model
     calls = []
@@ -103,20 +109,22 @@ def test_the_engine_runs_small_steps_natively_with_the_compiled_tokens(model_dir
         return original(self, *args)
 
     monkeypatch.setattr(NativeDecode, "between_attentions", counted)
+    prompts = [*PROMPTS, [(i * 131) % 40000 + 7 for i in range(240)]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
     def run() -> list[tuple[list[int], list[float]]]:
-        outputs = llm.generate(PROMPTS, params)
+        outputs = llm.generate(prompts, params)
         return [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
                 for o in outputs]  # fmt: skip
 
     whole_steps = _count_whole_steps(monkeypatch)
     native = run()
-    assert set(calls) == {112}  # the 3 prompts (99 tokens) in one step, layer by layer
+    assert set(calls) == {384}  # the 4 prompts (339 tokens on 384 rows) in one step
     assert whole_steps == [16] * 11  # then the decodes, all layers in one call each
     calls.clear()
     whole_steps.clear()
     model.native_decode, kept = None, model.native_decode
+    model.kernels = compiled_kernels()
     assert run() == native
     assert not calls and not whole_steps
     model.native_decode = kept
@@ -232,18 +240,12 @@ def test_decode_steps_after_a_shared_prefix_in_one_call_give_the_per_layer_token
     assert per_layer == whole and none == []
 
 
-def test_steps_past_the_amx_rows_keep_the_compiled_layers(model_dirs):
-    native = _compiled(model_dirs["llama"]).engine.model.native_decode
-    assert native.serves(16) and native.serves(AMX_MAX_ROWS)
-    assert not native.serves(AMX_MAX_ROWS + 16)
-
-
-def test_the_warm_up_compiles_only_the_steps_the_compiled_layers_serve(model_dirs, monkeypatch):
-    """The native path is warmed up on the small steps (1, 16, 17 tokens), the compiled layers
-    then only on steps past its rows, without and with padding (144 and 145 tokens: their
-    one-token graphs would never run), and no later step compiles."""
+def test_start_up_compiles_nothing_where_the_native_path_serves(model_dirs, monkeypatch):
+    """The native path is warmed up on the small steps (1, 16, 17 tokens) and serves every
+    step from then on: the layers are not compiled, and no step compiles a graph."""
     from torch._dynamo.utils import counters
 
+    from kvserve.models import llama
     from kvserve.runner.model_runner import ModelRunner
 
     warm_ups = []
@@ -254,9 +256,10 @@ def test_the_warm_up_compiles_only_the_steps_the_compiled_layers_serve(model_dir
         return original(self, *token_counts)
 
     monkeypatch.setattr(ModelRunner, "warm_up", recorded)
-    llm = _compiled(model_dirs["llama"])
-    assert warm_ups == [(True,), ((AMX_MAX_ROWS + 16, AMX_MAX_ROWS + 17), True)]
     graphs = counters["stats"]["unique_graphs"]
+    llm = _compiled(model_dirs["llama"])
+    assert warm_ups == [(True,)]
+    assert llm.engine.model.kernels is llama.EAGER
     prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in
                enumerate((150, 144, 200))]  # fmt: skip
     for prompt in prompts:
@@ -264,9 +267,28 @@ def test_the_warm_up_compiles_only_the_steps_the_compiled_layers_serve(model_dir
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_a_failing_compiler_leaves_eager_layers_without_the_native_path(model_dirs, monkeypatch):
-    """The native path stands in for compiled layers only: where torch.compile fails at the
-    warm-up, the engine runs the eager layers for every step, with the eager engine's tokens."""
+def test_a_failing_native_path_leaves_the_compiled_layers(model_dirs, monkeypatch):
+    """Where the native path fails at the warm-up, the engine compiles the layers, whose
+    tokens are the native path's."""
+    from kvserve.models import llama
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    native = _compiled(model_dirs["llama"])
+    want = [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)]
+
+    def broken(*args):
+        raise RuntimeError("no AMX after all")
+
+    monkeypatch.setattr(NativeDecode, "pre_attention", broken)
+    llm = _compiled(model_dirs["llama"])
+    assert llm.engine.model.native_decode is None
+    assert llm.engine.model.kernels is not llama.EAGER  # compiled
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_a_failing_compiler_leaves_eager_layers(model_dirs, monkeypatch):
+    """Without the native path, where torch.compile fails at the warm-up, the engine runs
+    the eager layers for every step, with the eager engine's tokens."""
     from kvserve.models import llama
 
     def broken(*args):
@@ -280,6 +302,7 @@ def test_a_failing_compiler_leaves_eager_layers_without_the_native_path(model_di
                 max_model_len=256, enforce_eager=True)  # fmt: skip
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     monkeypatch.setattr(llama.LlamaForCausalLM, "compile", compile_broken)
+    monkeypatch.setattr(NativeDecode, "build", classmethod(lambda cls, layers: None))
     llm = _compiled(model_dirs["llama"])
     assert llm.engine.model.kernels is llama.EAGER
     assert llm.engine.model.native_decode is None

@@ -51,11 +51,7 @@ from kvserve.models.registry import get_model_class
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
-from kvserve.runner.model_runner import (
-    ModelRunner,
-    compiled_warm_up_sizes,
-    profile_peak_activation_bytes,
-)
+from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import (
     CompletionOutput,
     RequestOutput,
@@ -286,42 +282,39 @@ class LLMEngine:
         )  # fmt: skip
 
     def _compile_model(self) -> None:
-        """torch.compile the layers unless --enforce-eager; a compiler that fails (no C++
-        compiler, an unsupported op) leaves the model eager, with a warning, never a failed
-        start."""
+        """The layers' native path where it serves this model (models/native_decode.py: every
+        step, no compiler needed), else torch.compile of the layers; neither with
+        --enforce-eager.  A compiler that fails (no C++ compiler, an unsupported op) leaves the
+        model eager, with a warning, never a failed start."""
         if self.config.load.enforce_eager:
             return
         if self.executor is not None:
             logger.info("tensor parallel runs eagerly (torch.compile is not used with > 1 rank)")
             return
+        if self._native_layers_warmed_up():
+            logger.info("the layers run their native path (csrc/decode_layer.c) at every step")
+            return
         started = time.monotonic()
         self.model.compile()
-        native = self._native_decode_warmed_up()
         try:
-            self.runner.warm_up(compiled_warm_up_sizes(self.model.native_decode))
+            self.runner.warm_up()
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to eager
             logger.warning("torch.compile failed, running eagerly (%s: %s)", type(exc).__name__,
                            str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
             self.model.kernels = EAGER
-            self.model.native_decode = None  # it stands in for compiled layers only
             return
         logger.info("compiled the layers with torch.compile in %.1fs", time.monotonic() - started)
-        if native:
-            logger.info("steps of up to %d rows run the layers' native path",
-                        self.model.native_decode.max_rows)  # fmt: skip
 
-    def _native_decode_warmed_up(self) -> bool:
-        """Small steps through the layers' C path (models/native_decode.py) where it serves
-        this model, warmed up here, before the compiled layers' warm-up, which then compiles
-        only the graphs of the steps left to them.  One that fails leaves the compiled
-        layers."""
+    def _native_layers_warmed_up(self) -> bool:
+        """The layers' C path (models/native_decode.py) where it serves this model, warmed up
+        here.  One that fails leaves the model to torch.compile."""
         if not self.model.use_native_decode():
             return False
         try:
             self.runner.warm_up()
-        except Exception as exc:  # noqa: BLE001 - any failure: keep the compiled layers
+        except Exception as exc:  # noqa: BLE001 - any failure: compile the layers instead
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            logger.warning("the native decode layers failed, keeping the compiled ones (%s: %s)",
+            logger.warning("the native layers failed, compiling the layers instead (%s: %s)",
                            type(exc).__name__, first_line)  # fmt: skip
             self.model.native_decode = None
             return False

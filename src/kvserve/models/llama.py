@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.kernels = EAGER
-        # The same work in C for steps of up to its max_rows (native_decode.py); None: never.
+        # The same work in C for every step (native_decode.py); None: not for this model.
         self.native_decode: NativeDecode | None = None
         self.logits_head: PackedLinear | None = None
         # Run every layer on the row count the packed projections are asked for (see forward).
@@ -209,8 +209,8 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = compiled_kernels()
 
     def use_native_decode(self) -> bool:
-        """Run the steps that csrc/decode_layer.c can serve there from now on (the compiled
-        layers' values, without their per-layer overhead); False where it serves none."""
+        """Run every step's layers through csrc/decode_layer.c from now on (the compiled
+        layers' values, without their per-layer overhead); False where it cannot serve them."""
         self.native_decode = NativeDecode.build(self.layers)
         return self.native_decode is not None
 

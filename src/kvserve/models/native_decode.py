@@ -3,11 +3,13 @@
 Through torch.compile the same work costs ~0.35 ms a layer more than its projections alone
 (Dynamo's guards, the compiled region's wrappers, the custom ops' dispatch and Python,
 inductor's element-wise kernels), at any row count: ~10 ms of a 128-row decode step of the
-embedded model.  This path serves the steps whose (padded) rows every projection hands to the
-AMX kernel anyway (packed_linear.AMX_MAX_ROWS), with the compiled layers' values bit for bit:
-the same projection kernels, and inductor's element-wise arithmetic written out in C.  Larger
-steps (prefills) keep the compiled layers.  The object has LayerKernels' three functions, so
-LlamaForCausalLM.forward picks one or the other per step.
+embedded model.  At a prefill step's rows, inductor's element-wise kernels and the separate
+SiLU pass cost more than the projections' kernel change does: a 2,048-token step of the
+embedded model took 973 against 1,016 ms (docs/benchmarks.md, fourteenth round).  This path
+serves every step where each projection takes the AMX kernel at every row count
+(packed_linear.AMX_ALL_ROWS), with the compiled layers' values bit for bit: the same
+projection kernels, and inductor's element-wise arithmetic written out in C.  The object has
+LayerKernels' three functions, so LlamaForCausalLM.forward calls it in their place.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from kvserve.models.packed_linear import PackedLinear
+from kvserve.models.packed_linear import AMX_ALL_ROWS, PackedLinear
 
 if TYPE_CHECKING:
     from kvserve.attention.cpu_paged import DecodeStepPlan
@@ -98,29 +100,29 @@ def _describe(layer: nn.Module) -> _Layer:
     )
 
 
-def _max_rows(layer: nn.Module) -> int:
-    """Up to how many rows this layer's work runs here (0: never): every projection packed,
-    in bfloat16, on the AMX kernel up to that many rows, with the shapes the C code takes."""
+def _runs_natively(layer: nn.Module) -> bool:
+    """This layer's work runs here: every projection packed, in bfloat16, on the AMX kernel at
+    every row count, with the shapes the C code takes."""
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(p, PackedLinear) for p in projections) or not layer.fused_silu:
-        return 0
+        return False
+    if any(p.amx_rows != AMX_ALL_ROWS for p in projections):
+        return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
-        return 0
+        return False
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-        return 0
+        return False
     hidden, intermediate = layer.o_proj.out_features, layer.gate_up_proj.out_features // 2
     biased = any(p.bias is not None for p in projections[1:])
-    if biased or hidden % 32 or intermediate % 32 or layer.head_dim % 32:
-        return 0
-    return min(p.amx_rows for p in projections)
+    return not (biased or hidden % 32 or intermediate % 32 or layer.head_dim % 32)
 
 
 class NativeDecode:
-    """LayerKernels' pre_attention / between_attentions / post_attention in C, for steps of
-    up to `max_rows` (padded) rows; `serves` says which."""
+    """LayerKernels' pre_attention / between_attentions / post_attention in C, for every step
+    (the padded row counts that `serves` accepts)."""
 
-    def __init__(self, layers: Sequence[nn.Module], max_rows: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
         functions = _functions()
         assert functions is not None
         self._call = functions
@@ -131,20 +133,21 @@ class NativeDecode:
         shapes = {(d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim)
                   for d in self._all_layers}  # fmt: skip
         self.runs_whole_steps = len(shapes) == 1
-        self.max_rows = max_rows
 
     @classmethod
     def build(cls, layers: Sequence[nn.Module]) -> NativeDecode | None:
         """For these layers, or None where the C path cannot serve them (no AMX build, layers
         not packed in bfloat16, shapes the C code does not take)."""
-        max_rows = min((_max_rows(layer) for layer in layers), default=0)
-        if max_rows < 16 or _functions() is None:  # the layers first: no library on a GPU
+        if not layers or not all(_runs_natively(layer) for layer in layers):
             return None
-        return cls(layers, max_rows)
+        if _functions() is None:  # the layers first: no library on a GPU
+            return None
+        return cls(layers)
 
-    def serves(self, num_rows: int) -> bool:
-        """A step of `num_rows` rows (already padded to a multiple of 16) runs here."""
-        return num_rows <= self.max_rows and num_rows % 16 == 0
+    @staticmethod
+    def serves(num_rows: int) -> bool:
+        """A step of `num_rows` rows (padded: packed_linear.padded_rows) runs here."""
+        return num_rows % 16 == 0
 
     def _outputs(
         self, layer: nn.Module, hidden: torch.Tensor

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -21,11 +22,14 @@ from torch import nn
 logger = logging.getLogger("kvserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
-# Up to this many rows (a decode step's), bfloat16 projections go through csrc/linear_amx.c,
-# which streams oneDNN's packed weight faster than oneDNN does at these sizes (see there).
-# 128 since its later passes over a block ask for the next one: W1's 128-row decode step
-# 105 -> 101 ms (docs/benchmarks.md, tenth round); at 256 rows oneDNN is as fast.
-AMX_MAX_ROWS = 128
+# Every row count of a bfloat16 projection goes through csrc/linear_amx.c over oneDNN's packed
+# weight.  At a decode step's rows it streams the weight faster than oneDNN does (W1's 128-row
+# decode step 105 -> 101 ms, docs/benchmarks.md, tenth round); at a prefill step's it runs in
+# chunks of 256 rows (see there) and fuses SiLU x up into the gate_up projection: a layer's
+# qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02 / 14.3
+# ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 / 6.95 /
+# 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (fourteenth round).
+AMX_ALL_ROWS = sys.maxsize
 # The LM head (49,152 x 576 for the embedded model) is the exception: oneDNN streams it faster
 # past 32 rows (one process, alternating: 64 rows 2.56 against 2.14 ms, 128 rows 5.57 against
 # 3.82 ms; 16 rows 1.34 against 1.44 ms, 32 rows 1.55 against 1.77 ms).
@@ -110,7 +114,7 @@ def on_bucketed_rows(
 
 
 def _linear_rows(
-    rows: torch.Tensor,  # [M, in], M bucketed (a multiple of 16 up to 256)
+    rows: torch.Tensor,  # [M, in], M bucketed (padded_rows)
     packed_weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
@@ -160,7 +164,7 @@ def _amx_kernel() -> Callable[..., int] | None:
 
 
 def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """Up to how many rows this packed weight goes through the AMX kernel: AMX_MAX_ROWS where
+    """Up to how many rows this packed weight goes through the AMX kernel: AMX_ALL_ROWS where
     the kernel runs and reads oneDNN's layout of this weight correctly (checked on 16 random
     rows against oneDNN itself: another oneDNN version or CPU may pack differently), else 0."""
     if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or _amx_kernel() is None:
@@ -174,7 +178,7 @@ def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     want = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     if got is None or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
         return 0
-    return AMX_MAX_ROWS
+    return AMX_ALL_ROWS
 
 
 for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one
@@ -199,7 +203,7 @@ class PackedLinear(nn.Module):
     """y = x @ W^T + b with W kept in oneDNN's blocked layout (inference only)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, amx_max_rows: int = AMX_MAX_ROWS
+        self, weight: torch.Tensor, bias: torch.Tensor | None, amx_max_rows: int = AMX_ALL_ROWS
     ) -> None:
         super().__init__()
         self.in_features = weight.shape[1]

@@ -10,7 +10,6 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -29,13 +28,10 @@ from kvserve.step import (
     TokenLogprobs,
 )
 
-if TYPE_CHECKING:
-    from kvserve.models.native_decode import NativeDecode
-
 logger = logging.getLogger("kvserve")
 
-# The warm-up's steps where the compiled layers serve every step: one token (specialized),
-# whole rows, and rows with padding (ModelRunner.warm_up).
+# The warm-up's steps: one token (specialized by torch.compile), whole rows, and rows with
+# padding (ModelRunner.warm_up).
 SMALL_STEPS_WARM_UP = (1, 16, 17)
 
 
@@ -272,18 +268,6 @@ class ModelRunner:
                 top_pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             out[r.request_id] = TokenLogprobs(token_id, float(logprobs[row, token_id]), top_pairs)
         return out
-
-
-def compiled_warm_up_sizes(native: NativeDecode | None) -> tuple[int, ...]:
-    """The warm-up's token counts for the compiled layers: the small steps where they serve
-    every step; where the native path (models/native_decode.py) serves the steps of up to its
-    max_rows, only steps past those, with and without padding (144 and 145 tokens for 128
-    rows).  The graphs of a one-token step would never run: the embedded model's start-up
-    compiled 7 graphs before, 5 now (the first compiled step takes ~4.8 s, from inductor's
-    on-disk cache)."""
-    if native is None:
-        return SMALL_STEPS_WARM_UP
-    return native.max_rows + 16, native.max_rows + 17
 
 
 def dummy_request(num_tokens: int, block_size: int) -> ScheduledRequest:

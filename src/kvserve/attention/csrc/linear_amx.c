@@ -33,6 +33,13 @@
 /* Measured at 16-64 rows: 4 k-steps ahead (8 KB) gained up to 8% at 32 rows; 8 or more lost. */
 #define PREFETCH_AHEAD 4
 
+/* Larger calls (prefill steps) run in chunks of this many rows, each over all the columns: a
+ * chunk's rows (256 x 1,536 bf16 at most for the embedded model, 768 KB) stay in L2 across the
+ * column blocks, and the layer's weights come from the last-level cache once a chunk.  Over
+ * the whole 2,048 rows of a prefill step at once, the rows were re-read from memory for every
+ * column block: 16.5 against 14.3 ms for a layer's qkv, o and down projections. */
+#define ROW_CHUNK 256
+
 static inline float bf16_value(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -159,10 +166,10 @@ static inline void runs_init(block_run *runs, int64_t count) {
     #pragma omp barrier
 }
 
-int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
-                    int64_t k, int num_threads) {
-    if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
+/* linear_bf16_amx on at most ROW_CHUNK rows. */
+static void linear_rows(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                        const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m,
+                        int64_t n, int64_t k, int num_threads) {
     const int64_t blocks = (n + 31) / 32;
     const int64_t passes = (m + 31) / 32, block_elems = (k / 2) * 64;
     block_run runs[num_threads > 0 ? num_threads : 1];
@@ -199,6 +206,15 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
         }
         _tile_release();
     }
+}
+
+int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
+                    int64_t k, int num_threads) {
+    if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
+    for (int64_t r = 0; r < m; r += ROW_CHUNK)
+        linear_rows(x + r * x_stride, x_stride, weight, bias, out + r * out_stride, out_stride,
+                    m - r < ROW_CHUNK ? m - r : ROW_CHUNK, n, k, num_threads);
     return 0;
 }
 
@@ -208,10 +224,9 @@ int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
  * that the two threads had written in halves (gate by one, up by the other), and ran 2x
  * slower right after the projection than on the same tensor warm (71 against 36 us at 64
  * rows x 3,072). */
-int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
-                          int64_t k, int num_threads) {
-    if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
+static void silu_gate_up_rows(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                              uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                              int64_t k, int num_threads) {
     const int64_t pairs = features / 32, passes = (m + 31) / 32, block_elems = (k / 2) * 64;
     block_run runs[num_threads > 0 ? num_threads : 1];
     #pragma omp parallel num_threads(num_threads)
@@ -246,6 +261,15 @@ int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *w
         }
         _tile_release();
     }
+}
+
+int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                          int64_t k, int num_threads) {
+    if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
+    for (int64_t r = 0; r < m; r += ROW_CHUNK)
+        silu_gate_up_rows(x + r * x_stride, x_stride, weight, out + r * out_stride, out_stride,
+                          m - r < ROW_CHUNK ? m - r : ROW_CHUNK, features, k, num_threads);
     return 0;
 }
 #else
