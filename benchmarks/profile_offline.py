@@ -4,7 +4,7 @@ torch.profiler run on a smaller W1 (--profile-prompts), split by kvserve's profi
     linear layers      the projections and the LM head (oneDNN / mm kernels; the fused
                        gate_up operator less its SiLU)
     native layers      kvserve::native_layers: the small steps' work between attentions in
-                       C (models/native_decode.py), projections and element-wise together
+                       C (models/native_layers.py), projections and element-wise together
     attention          kvserve::attention (the paged-attention backend)
     element-wise       the rest of the model's forward (norms, RoPE, SiLU x gate, residuals)
     sampling           kvserve::sample

@@ -244,7 +244,7 @@ def test_the_warm_up_compiles_every_graph_a_step_needs(tiny_dir):
 
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
               enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
-    assert llm.engine.model.native_decode is None
+    assert llm.engine.model.native_layers is None
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in

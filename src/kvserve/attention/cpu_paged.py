@@ -116,7 +116,7 @@ def _attends_prefix_once(
 class DecodeStepPlan(NamedTuple):
     """A decode-only step's attention, the same for every layer but the cache: what
     csrc/decode_layer.c's decode_step_layers needs to run all the layers in one call
-    (models/native_decode.py)."""
+    (models/native_layers.py)."""
 
     caches: ctypes.Array  # [2 x layers] each layer's key and value cache data pointers
     tables: torch.Tensor  # [B, max_blocks] int64

@@ -282,7 +282,7 @@ class LLMEngine:
         )  # fmt: skip
 
     def _compile_model(self) -> None:
-        """The layers' native path where it serves this model (models/native_decode.py: every
+        """The layers' native path where it serves this model (models/native_layers.py: every
         step, no compiler needed), else torch.compile of the layers; neither with
         --enforce-eager.  A compiler that fails (no C++ compiler, an unsupported op) leaves the
         model eager, with a warning, never a failed start."""
@@ -306,9 +306,9 @@ class LLMEngine:
         logger.info("compiled the layers with torch.compile in %.1fs", time.monotonic() - started)
 
     def _native_layers_warmed_up(self) -> bool:
-        """The layers' C path (models/native_decode.py) where it serves this model, warmed up
+        """The layers' C path (models/native_layers.py) where it serves this model, warmed up
         here.  One that fails leaves the model to torch.compile."""
-        if not self.model.use_native_decode():
+        if not self.model.use_native_layers():
             return False
         try:
             self.runner.warm_up()
@@ -316,7 +316,7 @@ class LLMEngine:
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             logger.warning("the native layers failed, compiling the layers instead (%s: %s)",
                            type(exc).__name__, first_line)  # fmt: skip
-            self.model.native_decode = None
+            self.model.native_layers = None
             return False
         return True
 

@@ -27,7 +27,7 @@ from kvserve.models.fused_mlp import (
     packed_silu_gate_up,
     silu_and_mul,
 )
-from kvserve.models.native_decode import NativeDecode
+from kvserve.models.native_layers import NativeLayers
 from kvserve.models.packed_linear import (
     LOGITS_AMX_MAX_ROWS,
     PackedLinear,
@@ -198,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.kernels = EAGER
-        # The same work in C for every step (native_decode.py); None: not for this model.
-        self.native_decode: NativeDecode | None = None
+        # The same work in C for every step (native_layers.py); None: not for this model.
+        self.native_layers: NativeLayers | None = None
         self.logits_head: PackedLinear | None = None
         # Run every layer on the row count the packed projections are asked for (see forward).
         self.pads_rows = False
@@ -208,11 +208,11 @@ class LlamaForCausalLM(nn.Module):
         """Run the layers' element-wise work through torch.compile from now on."""
         self.kernels = compiled_kernels()
 
-    def use_native_decode(self) -> bool:
+    def use_native_layers(self) -> bool:
         """Run every step's layers through csrc/decode_layer.c from now on (the compiled
         layers' values, without their per-layer overhead); False where it cannot serve them."""
-        self.native_decode = NativeDecode.build(self.layers)
-        return self.native_decode is not None
+        self.native_layers = NativeLayers.build(self.layers)
+        return self.native_layers is not None
 
     @classmethod
     def from_weights(
@@ -265,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
         freqs = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :])[:, None, :]
         cos, sin = freqs.cos().to(hidden.dtype), freqs.sin().to(hidden.dtype)
         kernels, layers = self.kernels, self.layers
-        if self.native_decode is not None and self.native_decode.serves(hidden.shape[0]):
-            kernels = self.native_decode
+        if self.native_layers is not None and self.native_layers.serves(hidden.shape[0]):
+            kernels = self.native_layers
             plan = self._whole_step_plan(kv_caches, metadata, backend, hidden.dtype)
             if plan is not None:
                 hidden = kernels.run_step(layers, hidden, cos, sin, num_tokens, plan)
@@ -294,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only),
         the layers differ in shape, or a profiler is on (its breakdown needs the per-layer
         calls' ranges, attention apart from the layers)."""
-        native = self.native_decode
+        native = self.native_layers
         plan_for = getattr(backend, "decode_step_plan", None)
         if native is None or not native.runs_whole_steps or plan_for is None:
             return None

@@ -1,17 +1,18 @@
 /*
- * The work between two attentions of a bfloat16 decode step, in one call per layer: output
- * projection, residual, RMSNorm, SiLU-gated MLP, residual, the next layer's RMSNorm, QKV
- * projection and RoPE.  The projections are linear_amx.c's kernels on oneDNN's packed weights;
- * the element-wise work is written here.
+ * The work between two attentions of a bfloat16 step (decodes and prefills; the file keeps
+ * its first name), in one call per layer: output projection, residual, RMSNorm, SiLU-gated
+ * MLP, residual, the next layer's RMSNorm, QKV projection and RoPE.  The projections are
+ * linear_amx.c's kernels on oneDNN's packed weights; the element-wise work is written here.
  *
  * Why: through torch.compile the same work cost ~0.35 ms a layer more than its projections
  * alone, whatever the row count (guards, the compiled region's wrappers, the custom ops'
  * dispatch and Python, inductor's kernels): ~10 ms of a 128-row decode step of the embedded
- * model, and most of a small batch's step (docs/benchmarks.md, eleventh round).
+ * model, and most of a small batch's step (docs/benchmarks.md, eleventh round); a prefill
+ * step also spared inductor's element-wise kernels and a separate SiLU pass (fourteenth).
  *
  * The element-wise arithmetic is inductor's, operation for operation, so that the values are
- * those of the compiled layers (models/native_decode.py chooses between them per step and the
- * tests compare them bit for bit): float32 throughout, no rounding to bfloat16 between fused
+ * those of the compiled layers (models/native_layers.py stands in for them, and the tests
+ * compare the two bit for bit): float32 throughout, no rounding to bfloat16 between fused
  * operations, sums of squares in two 16-lane accumulators over 32-value chunks folded as
  * ATen's vec_reduce_all folds them, and neither contraction into FMAs nor reassociation
  * (inductor compiles with -ffp-contract=off; the library's other files allow both).
@@ -206,7 +207,7 @@ int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_
  * layer the paged attention of the step's m tokens (paged_decode.c, which stores each token's
  * new K/V row in its slot before attending it) and the work between it and the next layer's
  * attention, or the last layer's post-attention work.  The same kernels in the same order
- * as the per-layer calls of models/native_decode.py, so the same values bit for bit; what it
+ * as the per-layer calls of models/native_layers.py, so the same values bit for bit; what it
  * spares is the Python between them, ~0.3 ms a layer (~8 of a 32-row step's ~45 ms).
  * caches[2 i], caches[2 i + 1]: layer i's key and value cache ([blocks, block_size, Hkv, D],
  * `kind` storage, unquantized).  attn [m, Hq * D] bf16.
@@ -257,7 +258,7 @@ int decode_step_layers(const decode_layer *layers, void *const *caches, int num_
     return 0;
 }
 #else
-/* No AMX in this build: models/native_decode.py never calls these (decode_layer_available). */
+/* No AMX in this build: models/native_layers.py never calls these (decode_layer_available). */
 int64_t decode_layer_work_bytes(const void *l, int64_t mp) { (void)l, (void)mp; return -1; }
 #endif
 

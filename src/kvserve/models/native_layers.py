@@ -118,7 +118,7 @@ def _runs_natively(layer: nn.Module) -> bool:
     return not (biased or hidden % 32 or intermediate % 32 or layer.head_dim % 32)
 
 
-class NativeDecode:
+class NativeLayers:
     """LayerKernels' pre_attention / between_attentions / post_attention in C, for every step
     (the padded row counts that `serves` accepts)."""
 
@@ -135,7 +135,7 @@ class NativeDecode:
         self.runs_whole_steps = len(shapes) == 1
 
     @classmethod
-    def build(cls, layers: Sequence[nn.Module]) -> NativeDecode | None:
+    def build(cls, layers: Sequence[nn.Module]) -> NativeLayers | None:
         """For these layers, or None where the C path cannot serve them (no AMX build, layers
         not packed in bfloat16, shapes the C code does not take)."""
         if not layers or not all(_runs_natively(layer) for layer in layers):

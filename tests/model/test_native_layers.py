@@ -1,4 +1,4 @@
-"""The layers' native path (models/native_decode.py, csrc/decode_layer.c) against the compiled
+"""The layers' native path (models/native_layers.py, csrc/decode_layer.c) against the compiled
 layers it stands in for: the same values bit for bit, layer by layer and through the engine.
 Where it serves a model, the engine runs every step there and compiles nothing.
 
@@ -15,7 +15,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama import compiled_kernels
-from kvserve.models.native_decode import NativeDecode, _functions
+from kvserve.models.native_layers import NativeLayers, _functions
 from kvserve.models.packed_linear import AMX_ALL_ROWS, can_pack
 
 pytestmark = pytest.mark.skipif(
@@ -71,7 +71,7 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
     the projections' kernel takes them in chunks of 256): every output equal to the compiled
     layers' in the rows the step uses."""
     model = _compiled(model_dirs[arch]).engine.model
-    native, compiled = model.native_decode, compiled_kernels()
+    native, compiled = model.native_layers, compiled_kernels()
     assert native is not None
     assert all(layer.qkv_proj.amx_rows == AMX_ALL_ROWS for layer in model.layers)
     assert (model.layers[0].qkv_proj.bias is not None) == (arch == "qwen2")
@@ -102,13 +102,13 @@ def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs
     llm = _compiled(model_dirs["llama"])
     model = llm.engine.model
     calls = []
-    original = NativeDecode.between_attentions
+    original = NativeLayers.between_attentions
 
     def counted(self, *args):
         calls.append(args[2].shape[0])
         return original(self, *args)
 
-    monkeypatch.setattr(NativeDecode, "between_attentions", counted)
+    monkeypatch.setattr(NativeLayers, "between_attentions", counted)
     prompts = [*PROMPTS, [(i * 131) % 40000 + 7 for i in range(240)]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
 
@@ -123,11 +123,11 @@ def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs
     assert whole_steps == [16] * 11  # then the decodes, all layers in one call each
     calls.clear()
     whole_steps.clear()
-    model.native_decode, kept = None, model.native_decode
+    model.native_layers, kept = None, model.native_layers
     model.kernels = compiled_kernels()
     assert run() == native
     assert not calls and not whole_steps
-    model.native_decode = kept
+    model.native_layers = kept
 
 
 def _greedy_run(llm: LLM) -> list[tuple[list[int], list[float]]]:
@@ -139,13 +139,13 @@ def _greedy_run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 def _count_whole_steps(monkeypatch) -> list[int]:
     """The row counts of the steps that run_step serves from now on."""
     rows = []
-    original = NativeDecode.run_step
+    original = NativeLayers.run_step
 
     def counted(self, layers, hidden, *args):
         rows.append(hidden.shape[0])
         return original(self, layers, hidden, *args)
 
-    monkeypatch.setattr(NativeDecode, "run_step", counted)
+    monkeypatch.setattr(NativeLayers, "run_step", counted)
     return rows
 
 
@@ -154,7 +154,7 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypa
     with the per-layer native calls' greedy tokens and logprobs bit for bit; the step with
     the prefills keeps the per-layer calls."""
     llm = _compiled(model_dirs["llama"])
-    native = llm.engine.model.native_decode
+    native = llm.engine.model.native_layers
     assert native.runs_whole_steps
     whole_steps = _count_whole_steps(monkeypatch)
     whole = _greedy_run(llm)
@@ -219,7 +219,7 @@ def test_decode_steps_after_a_shared_prefix_in_one_call_give_the_per_layer_token
     def run(whole_steps: bool) -> tuple[list, list[int]]:
         llm = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                   max_model_len=256, enforce_eager=False)  # fmt: skip
-        native = llm.engine.model.native_decode
+        native = llm.engine.model.native_layers
         native.runs_whole_steps = whole_steps
         prefixes = []
         original = native.run_step
@@ -252,7 +252,7 @@ def test_start_up_compiles_nothing_where_the_native_path_serves(model_dirs, monk
     original = ModelRunner.warm_up
 
     def recorded(self, *token_counts):
-        warm_ups.append((*token_counts, self.model.native_decode is not None))
+        warm_ups.append((*token_counts, self.model.native_layers is not None))
         return original(self, *token_counts)
 
     monkeypatch.setattr(ModelRunner, "warm_up", recorded)
@@ -279,9 +279,9 @@ def test_a_failing_native_path_leaves_the_compiled_layers(model_dirs, monkeypatc
     def broken(*args):
         raise RuntimeError("no AMX after all")
 
-    monkeypatch.setattr(NativeDecode, "pre_attention", broken)
+    monkeypatch.setattr(NativeLayers, "pre_attention", broken)
     llm = _compiled(model_dirs["llama"])
-    assert llm.engine.model.native_decode is None
+    assert llm.engine.model.native_layers is None
     assert llm.engine.model.kernels is not llama.EAGER  # compiled
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
@@ -302,10 +302,10 @@ def test_a_failing_compiler_leaves_eager_layers(model_dirs, monkeypatch):
                 max_model_len=256, enforce_eager=True)  # fmt: skip
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     monkeypatch.setattr(llama.LlamaForCausalLM, "compile", compile_broken)
-    monkeypatch.setattr(NativeDecode, "build", classmethod(lambda cls, layers: None))
+    monkeypatch.setattr(NativeLayers, "build", classmethod(lambda cls, layers: None))
     llm = _compiled(model_dirs["llama"])
     assert llm.engine.model.kernels is llama.EAGER
-    assert llm.engine.model.native_decode is None
+    assert llm.engine.model.native_layers is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
@@ -313,10 +313,10 @@ def test_eager_engines_and_unservable_shapes_have_no_native_path(model_dirs, tin
     """--enforce-eager keeps the reference layers; a head_dim of 16 is not served."""
     eager = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                 max_model_len=256, enforce_eager=True)  # fmt: skip
-    assert eager.engine.model.native_decode is None
+    assert eager.engine.model.native_layers is None
     narrow = LLM(str(tiny_model_dir("llama3")[0]), dtype="bfloat16", kv_cache_memory=4 * 2**20,
                  max_model_len=256)  # fmt: skip
-    assert NativeDecode.build(narrow.engine.model.layers) is None
+    assert NativeLayers.build(narrow.engine.model.layers) is None
 
 
 def test_a_running_profiler_keeps_the_per_layer_calls(model_dirs, monkeypatch):
