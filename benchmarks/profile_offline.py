@@ -1,10 +1,11 @@
 """Offline kvserve on W1 (LLM.generate, no HTTP): its time, and where the time goes from a
 torch.profiler run on a smaller W1 (--profile-prompts), split by kvserve's profiler ranges:
 
-    linear layers      the projections and the LM head (oneDNN / mm kernels; the fused
-                       gate_up operator less its SiLU)
-    native layers      kvserve::native_layers: the small steps' work between attentions in
-                       C (models/native_layers.py), projections and element-wise together
+    linear layers      the projections outside the native path and the LM head (oneDNN /
+                       mm kernels; the fused gate_up operator less its SiLU)
+    native layers      kvserve::native_layers: the work between attentions in C, where
+                       models/native_layers.py serves the model (every step of a bf16 model
+                       on an AMX CPU), projections and element-wise together
     attention          kvserve::attention (the paged-attention backend)
     element-wise       the rest of the model's forward (norms, RoPE, SiLU x gate, residuals)
     sampling           kvserve::sample
