@@ -5,7 +5,8 @@ Where it serves a model, the engine runs every step there and compiles nothing.
 The tiny models here have head_dim 32 (the C code takes head_dims and hidden sizes that are
 multiples of 32: the conftest models' head_dim of 16 is not served), llama without and qwen2
 with QKV bias.  The path needs bfloat16 packing and an AMX build of the kernels: elsewhere
-these tests are skipped and the engine keeps the compiled layers (test_not_served_...).
+these tests are skipped and the engine keeps the compiled layers (test_eager_engines_and_
+unservable_shapes_have_no_native_path).
 """
 
 from __future__ import annotations
