@@ -46,7 +46,7 @@ def model_dirs(tmp_path_factory, embedded_tokenizer):
     return made
 
 
-def _compiled(directory: str) -> LLM:
+def _served_engine(directory: str) -> LLM:
     """An engine as `kvserve serve` starts it (not eager: the native path, or else the
     compiled layers).  No prefix caching: a second run must compute what the first did, not
     read its K/V back."""
@@ -71,7 +71,7 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
     after padding), 37 tokens (48 rows), 128 tokens and a prefill's 520 tokens (528 rows:
     the projections' kernel takes them in chunks of 256): every output equal to the compiled
     layers' in the rows the step uses."""
-    model = _compiled(model_dirs[arch]).engine.model
+    model = _served_engine(model_dirs[arch]).engine.model
     native, compiled = model.native_layers, compiled_kernels()
     assert native is not None
     assert all(layer.qkv_proj.amx_rows == AMX_ALL_ROWS for layer in model.layers)
@@ -100,7 +100,7 @@ def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs
     """Greedy tokens and logprobs of the engine, which runs every step natively (a prefill step
     of 339 tokens, past the projections' 256-row chunks, too), equal those of the compiled
     layers alone; its decode steps did go through the native path."""
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     model = llm.engine.model
     calls = []
     original = NativeLayers.between_attentions
@@ -154,7 +154,7 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypa
     """A decode-only step runs every layer, attention included, in one C call (run_step),
     with the per-layer native calls' greedy tokens and logprobs bit for bit; the step with
     the prefills keeps the per-layer calls."""
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     native = llm.engine.model.native_layers
     assert native.runs_whole_steps
     whole_steps = _count_whole_steps(monkeypatch)
@@ -175,7 +175,7 @@ def test_one_call_steps_leave_quantized_caches_and_prefills_to_the_layers(model_
 
     from kvserve.attention.base import AttentionMetadata
 
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     engine = llm.engine
     caches, dtype, heads = engine.kv_caches, torch.bfloat16, 4
     tables = torch.arange(40, dtype=torch.int32).view(4, 10)
@@ -258,7 +258,7 @@ def test_start_up_compiles_nothing_where_the_native_path_serves(model_dirs, monk
 
     monkeypatch.setattr(ModelRunner, "warm_up", recorded)
     graphs = counters["stats"]["unique_graphs"]
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     assert warm_ups == [(True,)]
     assert llm.engine.model.kernels is llama.EAGER
     prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in
@@ -274,14 +274,14 @@ def test_a_failing_native_path_leaves_the_compiled_layers(model_dirs, monkeypatc
     from kvserve.models import llama
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    native = _compiled(model_dirs["llama"])
+    native = _served_engine(model_dirs["llama"])
     want = [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)]
 
     def broken(*args):
         raise RuntimeError("no AMX after all")
 
     monkeypatch.setattr(NativeLayers, "pre_attention", broken)
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     assert llm.engine.model.native_layers is None
     assert llm.engine.model.kernels is not llama.EAGER  # compiled
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
@@ -304,7 +304,7 @@ def test_a_failing_compiler_leaves_eager_layers(model_dirs, monkeypatch):
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     monkeypatch.setattr(llama.LlamaForCausalLM, "compile", compile_broken)
     monkeypatch.setattr(NativeLayers, "build", classmethod(lambda cls, layers: None))
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     assert llm.engine.model.kernels is llama.EAGER
     assert llm.engine.model.native_layers is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
@@ -325,7 +325,7 @@ def test_a_running_profiler_keeps_the_per_layer_calls(model_dirs, monkeypatch):
     own, so that benchmarks/profile_offline.py tells attention from the layers."""
     from torch.profiler import ProfilerActivity, profile
 
-    llm = _compiled(model_dirs["llama"])
+    llm = _served_engine(model_dirs["llama"])
     whole_steps = _count_whole_steps(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

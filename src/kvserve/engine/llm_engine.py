@@ -152,7 +152,7 @@ class LLMEngine:
         self.graph_plan = self._plan_cuda_graphs()
         self.sizing = self._size_kv_cache()
         self._build_runtime()
-        self._compile_model()  # its warm-up writes into the first blocks: before any load
+        self._choose_layer_kernels()  # its warm-up writes into the first blocks: before any load
         if self.graph_plan is not None:  # after the compile: graphs record compiled kernels
             self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.sizing.num_blocks)
         self._open_prefix_store()
@@ -281,7 +281,7 @@ class LLMEngine:
             self.max_model_len, self.config.cache.block_size,
         )  # fmt: skip
 
-    def _compile_model(self) -> None:
+    def _choose_layer_kernels(self) -> None:
         """The layers' native path where it serves this model (models/native_layers.py: every
         step, no compiler needed), else torch.compile of the layers; neither with
         --enforce-eager.  A compiler that fails (no C++ compiler, an unsupported op) leaves the
