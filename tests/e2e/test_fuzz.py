@@ -37,7 +37,10 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 
-SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--dtype", "float32")
+# --dtype auto (after SERVER_ARGS' float32, so it wins): what `kvserve serve` runs by default,
+# bfloat16 through the native layers on a CPU with native bf16 (~1.4x faster per request here
+# than float32), float32 elsewhere.  Nothing here compares tokens, so either dtype serves.
+SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--dtype", "auto")
 TIMEOUT_S = 30.0  # far above any request here; reaching it means a hang
 HTTP_TIMEOUT_S = TIMEOUT_S  # the `http` fixture's (tests/e2e/conftest.py)
 NAN, INF = math.nan, math.inf

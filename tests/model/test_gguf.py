@@ -134,3 +134,64 @@ def test_non_model_files_are_refused(tmp_path):
     (tmp_path / "cfgdir" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_checkpoint(str(tmp_path / "cfgdir"))
+
+
+@pytest.fixture
+def cached_conversions(tmp_path, monkeypatch):
+    """A private cache directory, and every GGUF file stored however small."""
+    from kvserve.models import converted_cache
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(converted_cache, "MIN_CACHED_BYTES", 0)
+    return tmp_path / "cache" / "models"
+
+
+def _refuse_conversion(path):
+    raise AssertionError(f"{path} was converted again")
+
+
+def test_a_second_load_reads_the_stored_conversion(
+    tmp_path, tiny_model_dir, cached_conversions, monkeypatch
+):
+    from kvserve.models import gguf_loader
+
+    _, hf = tiny_model_dir("mistral")
+    path = tmp_path / "tiny-q8.gguf"
+    write_gguf(path, hf, GGMLQuantizationType.Q8_0)
+    first = load_checkpoint(str(path))
+    assert len(list(cached_conversions.iterdir())) == 1
+    monkeypatch.setattr(gguf_loader, "convert_gguf", _refuse_conversion)
+    second = load_checkpoint(str(path))
+    assert second.config == first.config
+    assert second.weights.keys() == first.weights.keys()
+    for name, tensor in first.weights.items():
+        assert torch.equal(second.weights[name], tensor), name
+
+
+def test_a_rewritten_file_converts_again_and_replaces_its_entry(
+    tmp_path, tiny_model_dir, cached_conversions
+):
+    _, hf = tiny_model_dir("mistral")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, GGMLQuantizationType.Q8_0)
+    load_checkpoint(str(path))
+    (old,) = cached_conversions.iterdir()
+    write_gguf(path, hf, GGMLQuantizationType.F32)
+    from_f32 = load_checkpoint(str(path))
+    (new,) = cached_conversions.iterdir()
+    assert new != old
+    for name, tensor in load_checkpoint(str(path)).weights.items():
+        assert torch.equal(from_f32.weights[name], tensor), name
+
+
+def test_a_corrupt_entry_is_converted_again(tmp_path, tiny_model_dir, cached_conversions, caplog):
+    _, hf = tiny_model_dir("mistral")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, GGMLQuantizationType.F32)
+    first = load_checkpoint(str(path))
+    (entry,) = cached_conversions.iterdir()
+    (entry / "model.safetensors").write_bytes(b"not a safetensors file")
+    again = load_checkpoint(str(path))
+    assert "unreadable" in caplog.text
+    for name, tensor in first.weights.items():
+        assert torch.equal(again.weights[name], tensor), name

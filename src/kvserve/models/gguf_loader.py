@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from kvserve.config import ModelConfig
 from kvserve.formats import FormatError, build
 from kvserve.formats.gguf_metadata import GGUFFields, open_gguf, read_gguf_metadata
+from kvserve.models.converted_cache import load_converted
 from kvserve.models.loader import ModelLoadError, fuse_layer_weights, to_tensor
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -107,6 +108,12 @@ def _layers(
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The file's config and float32 weights, converted once per machine (converted_cache)."""
+    return load_converted(path, convert_gguf)
+
+
+def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Metadata -> ModelConfig; tensors dequantized, q/k unpermuted, layer weights fused."""
     try:
         reader = open_gguf(path)
         config = read_gguf_config(GGUFFields(reader, str(path)))

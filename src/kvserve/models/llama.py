@@ -43,7 +43,10 @@ if TYPE_CHECKING:
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for the model's RoPE variant (float32)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # On the CPU whatever the ambient device: arange on the meta device (LlamaForCausalLM's
+    # construction) imports torch._dynamo, ~2.5 s of a server's start.
+    positions = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (positions / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -191,7 +194,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An uninitialised weight (a checkpoint's replaces it): random init on the meta device
+        # imports torch._dynamo (see rope_inv_freq).
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
