@@ -1,5 +1,6 @@
-"""Each test module starts one server (module-scoped fixture): a start costs ~12 s of model
-loading, so modules share what they can."""
+"""Each test module starts one server (module-scoped fixture): a start costs ~5-10 s (Python
+imports, the model read from its stored conversion, models/converted_cache.py; the first start
+on a machine converts the GGUF, ~8 s more), so modules share what they can."""
 
 from __future__ import annotations
 
