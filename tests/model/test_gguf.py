@@ -151,15 +151,17 @@ def _refuse_conversion(path):
 
 
 def test_a_second_load_reads_the_stored_conversion(
-    tmp_path, tiny_model_dir, cached_conversions, monkeypatch
+    tmp_path, tiny_model_dir, cached_conversions, monkeypatch, caplog
 ):
     from kvserve.models import gguf_loader
 
+    caplog.set_level("INFO", logger="kvserve.models.converted_cache")
     _, hf = tiny_model_dir("mistral")
     path = tmp_path / "tiny-q8.gguf"
     write_gguf(path, hf, GGMLQuantizationType.Q8_0)
     first = load_checkpoint(str(path))
-    assert len(list(cached_conversions.iterdir())) == 1
+    (entry,) = cached_conversions.iterdir()
+    assert f"converted weights stored in {entry}" in caplog.text
     monkeypatch.setattr(gguf_loader, "convert_gguf", _refuse_conversion)
     second = load_checkpoint(str(path))
     assert second.config == first.config

@@ -98,6 +98,9 @@ def _write(directory: Path, config: ModelConfig, weights: dict[str, torch.Tensor
         (staging / _CONFIG).write_text(json.dumps(dataclasses.asdict(config)))
         save_file({name: t.contiguous() for name, t in weights.items()}, staging / _WEIGHTS)
         os.replace(staging, directory)
+        size = (directory / _WEIGHTS).stat().st_size
+        logger.info("converted weights stored in %s (%.0f MB): later starts read them from there",
+                    directory, size / 1e6)  # fmt: skip
     except OSError:
         pass  # another process stored it first, or the disk is full: nothing is lost
     finally:
