@@ -7,10 +7,12 @@ the first load writes it to $KVSERVE_CACHE_DIR/models/<key>/ (config.json and
 model.safetensors) and later loads read that in well under a second.
 
 The key covers the file (resolved path, size, modification time) and the converting code
-(this package's loader sources), so a changed file or a changed conversion converts again;
-storing a file's new entry removes its older ones (~0.5 GB each for the embedded model).
-Files under MIN_CACHED_BYTES convert in well under a second and are not stored.  A cache that
-cannot be read or written costs only the conversion: loading never fails because of it.
+(kvserve's sources that read the metadata, dequantize, unpermute and fuse, and the `gguf`
+package's version), so a changed file or a changed conversion converts again; storing a
+file's new entry removes its older ones (~0.5 GB each for the embedded model).  Files under
+MIN_CACHED_BYTES are not stored: they convert in a few seconds at most, and the tests write
+many of them.  A cache that cannot be read or written costs only the conversion: loading
+never fails because of it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -35,8 +38,11 @@ logger = logging.getLogger(__name__)
 
 MIN_CACHED_BYTES = 64 * 2**20  # above the tests' tiny float32 files (~25 MB)
 _CONFIG, _WEIGHTS = "config.json", "model.safetensors"
-# The files whose code decides the converted values (dequantizing, unpermuting, fusing).
-_CONVERTING_SOURCES = ("gguf_loader.py", "loader.py", "converted_cache.py")
+# The files (in the kvserve package) whose code decides the converted config and values.
+_CONVERTING_SOURCES = (
+    "config.py", "formats/__init__.py", "formats/gguf_metadata.py", "models/gguf_loader.py",
+    "models/loader.py", "models/converted_cache.py",
+)  # fmt: skip
 
 Converted = tuple[ModelConfig, dict[str, torch.Tensor]]
 
@@ -48,10 +54,10 @@ def _file_part(path: Path) -> str:
 def cache_key(path: Path) -> str:
     """<the file's path>-<its size and time, and the converting code>, as hex digests."""
     stat = path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-    here = Path(__file__).parent
+    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{version('gguf')}".encode())
+    package = Path(__file__).parent.parent
     for name in _CONVERTING_SOURCES:
-        digest.update((here / name).read_bytes())
+        digest.update((package / name).read_bytes())
     return f"{_file_part(path)}-{digest.hexdigest()[:16]}"
 
 
