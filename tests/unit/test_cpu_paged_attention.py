@@ -70,21 +70,27 @@ def _amx_decode_here() -> bool:
 
 
 @pytest.mark.skipif(not _amx_decode_here(), reason="the kernel has no AMX path on this CPU")
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     [(9, 3, 64, 16), (9, 3, 64, 32), (16, 2, 128, 16), (6, 2, 32, 16), (8, 8, 64, 64),
      (5, 1, 128, 16)],
 )  # fmt: skip
-def test_amx_scores_equal_the_vector_path_and_the_reference(heads, kv_heads, dim, block_size):
-    """A bf16 cache on a CPU with AMX: the scores on tiles (every KV head's queries in one B
-    tile's columns, zero where a head does not attend with that KV head), one softmax over all
-    heads, p x V over the whole sequence.  Against the float32 reference as closely as the
-    vdpbf16ps path, with the log-sum-exps the shared-prefix merge needs.  A B tile with a
-    head in the wrong KV head's columns, or a softmax over another lane, fails here."""
+def test_amx_scores_equal_the_vector_path_and_the_reference(
+    kv_dtype, heads, kv_heads, dim, block_size
+):
+    """A bf16 or 8-bit cache on a CPU with AMX: the scores on tiles (every KV head's queries
+    in one B tile's columns, zero where a head does not attend with that KV head), one softmax
+    over all heads, p x V over the whole sequence.  8-bit K codes reach the tiles widened to
+    bf16, their scales multiply each score's lane by its KV head's scale of that token, and V's
+    scales the softmax weights.  Against the float32 reference as closely as the vdpbf16ps
+    path, with the log-sum-exps the shared-prefix merge needs.  A B tile with a head in the
+    wrong KV head's columns, a softmax over another lane, or a scale of another KV head or
+    token fails here (every token and KV head has its own scale)."""
     gen = torch.Generator().manual_seed(heads * 10 + dim + block_size)
     seq_lens = [1, 15, 16, 17, block_size + 1, 3 * block_size - 1, 130, 301]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    cache = filled_cache("bfloat16", num_blocks, block_size, kv_heads, dim, gen)
+    cache = filled_cache(kv_dtype, num_blocks, block_size, kv_heads, dim, gen)
     md = decode_metadata(seq_lens, num_blocks, block_size, gen)
     query = torch.randn(len(seq_lens), heads, dim, generator=gen).bfloat16().float()
     scale = dim**-0.5

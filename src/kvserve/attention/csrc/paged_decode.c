@@ -641,9 +641,13 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
 #define DECODE_HAS_AMX 1
 #include "amx_tiles.h"
 
-/* A bfloat16 cache on a CPU with AMX: the scores of a sequence on tiles instead of the
- * vdpbf16ps path's 16-lane dot products and their transposing reductions (W1's 128 x 320
- * tokens: 1.87 -> 1.76 ms a layer; the traffic, not the arithmetic, bounds both).
+/* A bfloat16 or 8-bit cache on a CPU with AMX: the scores of a sequence on tiles instead of
+ * the vdpbf16ps path's 16-lane dot products and their transposing reductions (W1's 128 x 320
+ * tokens: 1.87 -> 1.76 ms a layer; the traffic, not the arithmetic, bounds both).  8-bit K
+ * codes are widened to bf16 (exactly) 16 rows at a time into a buffer the A tile is loaded
+ * from, and their scales multiply the stored scores; V scales multiply the softmax weights
+ * (the sum stays unscaled), so p x V reads the codes as they are stored.  That is the
+ * vdpbf16ps path's arithmetic, and half the bytes of a bf16 cache to read.
  * S^T = K x Q^T: the A tile is 16 cached K rows read in place (32 dimensions of one KV head, the
  * row stride apart), the B tile the queries as dimension pairs, one column per query head.
  * Column n of KV head h's B tile is zero unless head n attends with h, so one accumulator
@@ -661,9 +665,10 @@ int paged_decode_use_amx(int on) {
     return was;
 }
 
-static inline int amx_shape(int kind, const float *value_scale, int num_heads, int dim,
-                            int block_size) {
-    return paged_decode_amx_enabled && kind == KV_BF16 && !value_scale && num_heads <= 16
+static inline int amx_shape(int kind, int num_heads, int dim, int block_size) {
+    return paged_decode_amx_enabled
+           && (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
+           && num_heads <= 16
            && (dim == 32 || dim == 64 || dim == 128) && block_size % 16 == 0 && amx_permitted();
 }
 
@@ -688,14 +693,47 @@ static void pack_query_tiles(const float *q, int num_kv_heads, int group, int di
         }
 }
 
-/* Pass 1: scores[t * 16 + n] = q_n . k_t (unscaled) for every token t of the sequence, whole
- * spans of 16 (rows past seq_len are computed from whatever the block holds and never read).
- * While a block's scores are computed, its V and the next block's K are asked for. */
+/* 16 rows of 8-bit codes (row_stride bytes apart, width values each) as bf16 in buf: exact,
+ * every code being a bf16 value (8-bit integers; fp8 values of 2-3 mantissa bits). */
+static inline void span_to_bf16(int kind, const char *rows, int64_t row_stride, int width,
+                                uint16_t *buf) {
+    for (int o = 0; o < 16; o++)
+        for (int c = 0; c < width / 16; c += 2) {
+            const char *row = rows + o * row_stride;
+            __m512bh pair = _mm512_cvtne2ps_pbh(chunk_f32(kind, row, c + 1), chunk_f32(kind, row, c));
+            _mm512_storeu_si512(buf + o * width + 16 * c, (__m512i)pair);
+        }
+}
+
+/* x[t * 16 + n] *= scales[first_slot + t][n / group] for the n rows of a span (lanes past
+ * the heads multiplied by scales of KV head 0: never read).  The scales of a row's KV heads
+ * are adjacent, so one masked load and a permute give the 16 lanes' factors. */
+static inline void scale_lanes(float *x, const float *scales, int64_t first_slot, int n,
+                               int num_kv_heads, int group) {
+    int lanes[16];
+    for (int i = 0; i < 16; i++) lanes[i] = i / group < num_kv_heads ? i / group : 0;
+    const __m512i head_of = _mm512_loadu_si512(lanes);
+    const __mmask16 heads = (__mmask16)((1u << num_kv_heads) - 1u);
+    for (int t = 0; t < n; t++) {
+        const __m512 row = _mm512_maskz_loadu_ps(heads, scales + (first_slot + t) * num_kv_heads);
+        _mm512_storeu_ps(x + 16 * t,
+                         _mm512_mul_ps(_mm512_loadu_ps(x + 16 * t), _mm512_permutexvar_ps(head_of, row)));
+    }
+}
+
+/* Pass 1: scores[t * 16 + n] = q_n . k_t for every token t of the sequence (times K's scale
+ * for scaled 8-bit codes), whole spans of 16 (rows past seq_len are computed from whatever
+ * the block holds and never read).  While a block's scores are computed, its V and the next
+ * block's K are asked for (and their scales).  kbuf: 16 rows of num_kv_heads x dim bf16
+ * (8-bit caches). */
 static void scores_amx(const uint16_t *qtiles, const char *key, const char *value,
-                       const int64_t *table, int64_t seq_len, int num_kv_heads, int dim,
-                       int block_size, int64_t row_stride, float *scores) {
-    const int chunks = dim / 32, tiles = num_kv_heads * chunks;
+                       const float *key_scale, const float *value_scale, int kind,
+                       const int64_t *table, int64_t seq_len, int num_kv_heads, int group,
+                       int dim, int block_size, int64_t row_stride, uint16_t *kbuf,
+                       float *scores) {
+    const int chunks = dim / 32, tiles = num_kv_heads * chunks, width = num_kv_heads * dim;
     const int64_t block_bytes = block_size * row_stride;
+    const int64_t scale_bytes = (int64_t)block_size * num_kv_heads * 4;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     for (int64_t b = 0; b < num_blocks; b++) {
         const char *block = key + table[b] * block_bytes;
@@ -703,12 +741,24 @@ static void scores_amx(const uint16_t *qtiles, const char *key, const char *valu
         const char *next_key = b + 1 < num_blocks ? key + table[b + 1] * block_bytes : NULL;
         const int64_t rows = seq_len - b * block_size < block_size ? seq_len - b * block_size
                                                                   : block_size;
+        if (key_scale && next_key) /* the scales of the next block's K, as its rows */
+            prefetch_part((const char *)(key_scale + table[b + 1] * block_size * num_kv_heads),
+                          scale_bytes, 0, 1);
+        if (value_scale) /* and this block's V's, read after the softmax: misses on them took
+                          * ~1/7 of an int8 sequence's time */
+            prefetch_part((const char *)(value_scale + table[b] * block_size * num_kv_heads),
+                          scale_bytes, 0, 1);
         for (int64_t start = 0; start < rows; start += 16) {
+            const char *span = block + start * row_stride;
+            int64_t a_stride = row_stride;
+            if (kind != KV_BF16) {
+                span_to_bf16(kind, span, row_stride, width, kbuf);
+                span = (const char *)kbuf, a_stride = (int64_t)width * 2;
+            }
             _tile_zero(0);
             for (int i = 0; i < tiles; i++) {
                 const int h = i / chunks, c = i % chunks;
-                _tile_loadd(1, block + start * row_stride + (int64_t)h * dim * 2 + c * 64,
-                            row_stride);
+                _tile_loadd(1, span + (int64_t)h * dim * 2 + c * 64, a_stride);
                 _tile_loadd(2, qtiles + i * QTILE_WORDS, 64);
                 _tile_dpbf16ps(0, 1, 2);
                 if (start == 0) {
@@ -716,7 +766,11 @@ static void scores_amx(const uint16_t *qtiles, const char *key, const char *valu
                     if (next_key) prefetch_part(next_key, block_bytes, i, tiles);
                 }
             }
-            _tile_stored(0, scores + (b * block_size + start) * 16, 64);
+            float *span_scores = scores + (b * block_size + start) * 16;
+            _tile_stored(0, span_scores, 64);
+            if (key_scale)
+                scale_lanes(span_scores, key_scale, table[b] * block_size + start,
+                            rows - start < 16 ? (int)(rows - start) : 16, num_kv_heads, group);
         }
     }
 }
@@ -746,8 +800,8 @@ static __m512 softmax_columns(float *scores, int64_t seq_len, float sm_scale, fl
  * V row t (one KV head, at head_offset in each row): the GS x C accumulators stay in registers
  * for the whole sequence, each V chunk widened once for all GS heads.  Over block b it asks
  * for slice `part0 + b` of `parts` of the next sequence's first blocks. */
-#define DEFINE_PV_SEQ(GS, C)                                                                   \
-    static void pv_seq_##GS##_##C(float *acc, int64_t stride, const float *p,                 \
+#define DEFINE_PV_SEQ(GS, C, KIND, NAME)                                                       \
+    static void pv_seq_##GS##_##C##_##NAME(float *acc, int64_t stride, const float *p,        \
                                   const char *value, const int64_t *table, int64_t seq_len,    \
                                   int block_size, int64_t row_stride, int64_t head_offset,     \
                                   const char *key, next_sequence next, int64_t part0,          \
@@ -760,46 +814,76 @@ static __m512 softmax_columns(float *scores, int64_t seq_len, float sm_scale, fl
             prefetch_next_part(key, value, next, block_bytes, part0 + b, parts);               \
             const char *block = value + table[b] * block_bytes + head_offset;                  \
             for (int o = 0; o < block_size && t < seq_len; o++, t++)                           \
-                PV_ROW(GS, C, KV_BF16, block + o * row_stride, p[t * 16 + g])                  \
+                PV_ROW(GS, C, KIND, block + o * row_stride, p[t * 16 + g])                     \
         }                                                                                      \
         PV_STORE(GS, C)                                                                        \
     }
-DEFINE_PV_SEQ(1, 2) DEFINE_PV_SEQ(2, 2) DEFINE_PV_SEQ(3, 2) DEFINE_PV_SEQ(4, 2)
-DEFINE_PV_SEQ(5, 2) DEFINE_PV_SEQ(6, 2) DEFINE_PV_SEQ(7, 2) DEFINE_PV_SEQ(8, 2)
-DEFINE_PV_SEQ(1, 4) DEFINE_PV_SEQ(2, 4) DEFINE_PV_SEQ(3, 4) DEFINE_PV_SEQ(4, 4)
-DEFINE_PV_SEQ(1, 8) DEFINE_PV_SEQ(2, 8)
+#define DEFINE_PV_SEQS(KIND, NAME)                                                             \
+    DEFINE_PV_SEQ(1, 2, KIND, NAME) DEFINE_PV_SEQ(2, 2, KIND, NAME)                            \
+    DEFINE_PV_SEQ(3, 2, KIND, NAME) DEFINE_PV_SEQ(4, 2, KIND, NAME)                            \
+    DEFINE_PV_SEQ(5, 2, KIND, NAME) DEFINE_PV_SEQ(6, 2, KIND, NAME)                            \
+    DEFINE_PV_SEQ(7, 2, KIND, NAME) DEFINE_PV_SEQ(8, 2, KIND, NAME)                            \
+    DEFINE_PV_SEQ(1, 4, KIND, NAME) DEFINE_PV_SEQ(2, 4, KIND, NAME)                            \
+    DEFINE_PV_SEQ(3, 4, KIND, NAME) DEFINE_PV_SEQ(4, 4, KIND, NAME)                            \
+    DEFINE_PV_SEQ(1, 8, KIND, NAME) DEFINE_PV_SEQ(2, 8, KIND, NAME)
+DEFINE_PV_SEQS(KV_BF16, bf16) DEFINE_PV_SEQS(KV_I8, i8)
+DEFINE_PV_SEQS(KV_E4M3, e4m3) DEFINE_PV_SEQS(KV_E5M2, e5m2)
 
 typedef void (*pv_seq_fn)(float *, int64_t, const float *, const char *, const int64_t *,
                           int64_t, int, int64_t, int64_t, const char *, next_sequence, int64_t,
                           int64_t);
-static const pv_seq_fn PV_SEQ_BY_SHAPE[9][9] = { /* [C][GS]: dim 32, 64, 128 */
-    [2] = {0, pv_seq_1_2, pv_seq_2_2, pv_seq_3_2, pv_seq_4_2, pv_seq_5_2, pv_seq_6_2, pv_seq_7_2,
-           pv_seq_8_2},
-    [4] = {0, pv_seq_1_4, pv_seq_2_4, pv_seq_3_4, pv_seq_4_4},
-    [8] = {0, pv_seq_1_8, pv_seq_2_8},
-};
+/* [C][GS] for dim 32, 64, 128, one table per storage kind; each function's conversion of a
+ * V chunk is then the kind's own, inlined, with no switch in the token loop. */
+#define PV_SEQ_TABLE(NAME)                                                                     \
+    {                                                                                          \
+        [2] = {0, pv_seq_1_2_##NAME, pv_seq_2_2_##NAME, pv_seq_3_2_##NAME, pv_seq_4_2_##NAME,  \
+               pv_seq_5_2_##NAME, pv_seq_6_2_##NAME, pv_seq_7_2_##NAME, pv_seq_8_2_##NAME},    \
+        [4] = {0, pv_seq_1_4_##NAME, pv_seq_2_4_##NAME, pv_seq_3_4_##NAME, pv_seq_4_4_##NAME}, \
+        [8] = {0, pv_seq_1_8_##NAME, pv_seq_2_8_##NAME},                                       \
+    }
+static const pv_seq_fn PV_SEQ_BF16[9][9] = PV_SEQ_TABLE(bf16), PV_SEQ_I8[9][9] = PV_SEQ_TABLE(i8),
+                       PV_SEQ_E4M3[9][9] = PV_SEQ_TABLE(e4m3), PV_SEQ_E5M2[9][9] = PV_SEQ_TABLE(e5m2);
+
+static pv_seq_fn pv_seq_for(int kind, int dim, int gs) {
+    switch (kind) {
+    case KV_BF16: return PV_SEQ_BF16[dim / 16][gs];
+    case KV_I8: return PV_SEQ_I8[dim / 16][gs];
+    case KV_E4M3: return PV_SEQ_E4M3[dim / 16][gs];
+    default: return PV_SEQ_E5M2[dim / 16][gs];
+    }
+}
 
 /* Floats of work attend_sequence_amx needs for sequences of up to `longest` tokens. */
 static size_t amx_work_floats(int64_t longest, int num_kv_heads, int dim) {
     const size_t scores = (size_t)16 * ((longest + 15) / 16 * 16);
-    return scores + (size_t)num_kv_heads * (dim / 32) * QTILE_WORDS / 2; /* + the query tiles */
+    return scores + (size_t)num_kv_heads * (dim / 32) * QTILE_WORDS / 2 /* + the query tiles */
+           + (size_t)16 * num_kv_heads * dim / 2;                       /* + 16 bf16 K rows */
 }
 
-/* One sequence over a bf16 cache with bf16-exact queries, its scores on AMX tiles (the calling
- * thread has configured them), then one softmax for all heads and p x V in float32. */
+/* One sequence over a bf16 or 8-bit cache with bf16-exact queries, its scores on AMX tiles
+ * (the calling thread has configured them), then one softmax for all heads and p x V in
+ * float32. */
 static void attend_sequence_amx(const float *q, float *out, const void *key, const void *value,
+                                const float *key_scale, const float *value_scale, int kind,
                                 const int64_t *table, int64_t seq_len, int num_kv_heads,
                                 int group, int dim, int block_size, float sm_scale, float *work,
                                 float *lse, next_sequence next) {
-    const int num_heads = num_kv_heads * group;
-    const int64_t row_stride = (int64_t)num_kv_heads * dim * 2;
+    const int num_heads = num_kv_heads * group, elem = kind == KV_BF16 ? 2 : 1;
+    const int64_t row_stride = (int64_t)num_kv_heads * dim * elem;
     float *scores = work;
     uint16_t *qtiles = (uint16_t *)(work + 16 * ((seq_len + 15) / 16 * 16));
+    uint16_t *kbuf = qtiles + num_kv_heads * (dim / 32) * QTILE_WORDS;
     pack_query_tiles(q, num_kv_heads, group, dim, qtiles);
-    scores_amx(qtiles, key, value, table, seq_len, num_kv_heads, dim, block_size, row_stride,
-               scores);
+    scores_amx(qtiles, key, value, key_scale, value_scale, kind, table, seq_len, num_kv_heads, group, dim,
+               block_size, row_stride, kbuf, scores);
     float inv_sum[16], lse_all[16];
     _mm512_storeu_ps(inv_sum, softmax_columns(scores, seq_len, sm_scale, lse ? lse_all : NULL));
+    if (value_scale) /* after the sum: the weights of p x V, not the softmax's mass */
+        for (int64_t start = 0; start < seq_len; start += block_size) {
+            const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+            scale_lanes(scores + start * 16, value_scale, table[start / block_size] * block_size,
+                        (int)n, num_kv_heads, group);
+        }
     const int gs_max = 16 / (dim / 16) < group ? 16 / (dim / 16) : group;
     const int64_t blocks = (seq_len + block_size - 1) / block_size;
     const int calls = num_kv_heads * ((group + gs_max - 1) / gs_max);
@@ -807,9 +891,9 @@ static void attend_sequence_amx(const float *q, float *out, const void *key, con
     for (int h = 0; h < num_kv_heads; h++)
         for (int g0 = 0; g0 < group; g0 += gs_max, call++) {
             const int gs = group - g0 < gs_max ? group - g0 : gs_max, n = h * group + g0;
-            PV_SEQ_BY_SHAPE[dim / 16][gs](out + (int64_t)n * dim, dim, scores + n, value, table,
-                                          seq_len, block_size, row_stride, (int64_t)h * dim * 2,
-                                          key, next, call * blocks, calls * blocks);
+            pv_seq_for(kind, dim, gs)(out + (int64_t)n * dim, dim, scores + n, value, table,
+                                      seq_len, block_size, row_stride, (int64_t)h * dim * elem,
+                                      key, next, call * blocks, calls * blocks);
         }
     for (int head = 0; head < num_heads; head++) {
         if (lse) lse[head] = lse_all[head];
@@ -938,7 +1022,7 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
                      && fast_dim(dim) && block_size <= 32;
 #endif
 #if DECODE_HAS_AMX
-    const int amx = fast && amx_shape(kind, value_scale, num_heads, dim, block_size);
+    const int amx = fast && amx_shape(kind, num_heads, dim, block_size);
     const size_t amx_floats = amx ? amx_work_floats(longest, num_kv_heads, dim) : 0;
     if (amx_floats > work_floats) work_floats = amx_floats;
 #endif
@@ -988,9 +1072,10 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
                 }
 #if DECODE_HAS_AMX
                 if (amx)
-                    attend_sequence_amx(q, o, key, value, block_tables + (int64_t)seq * max_blocks,
-                                        seq_lens[seq], num_kv_heads, group, dim, block_size,
-                                        sm_scale, work, seq_lse, next);
+                    attend_sequence_amx(q, o, key, value, key_scale, value_scale, kind,
+                                        block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
+                                        num_kv_heads, group, dim, block_size, sm_scale, work,
+                                        seq_lse, next);
                 else
 #endif
                 attend_sequence_fast(q, o, key, value, key_scale, value_scale, kind,
