@@ -46,12 +46,13 @@ def model_dirs(tmp_path_factory, embedded_tokenizer):
     return made
 
 
-def _served_engine(directory: str) -> LLM:
+def _served_engine(directory: str, kv_cache_dtype: str = "auto") -> LLM:
     """An engine as `kvserve serve` starts it (not eager: the native path, or else the
     compiled layers).  No prefix caching: a second run must compute what the first did, not
     read its K/V back."""
     return LLM(directory, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
-               enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
+               enforce_eager=False, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+               kv_cache_dtype_check="off")  # fmt: skip
 
 
 def _layer_inputs(model, rows: int, real: int, seed: int):
@@ -150,11 +151,14 @@ def _count_whole_steps(monkeypatch) -> list[int]:
     return rows
 
 
-def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypatch, kv_cache_dtype):
     """A decode-only step runs every layer, attention included, in one C call (run_step),
     with the per-layer native calls' greedy tokens and logprobs bit for bit; the step with
-    the prefills keeps the per-layer calls."""
-    llm = _served_engine(model_dirs["llama"])
+    the prefills keeps the per-layer calls.  Over a bf16 cache the decode kernel stores the
+    new rows; over an 8-bit one the one-call step quantizes them with the per-layer path's
+    store (the same codes and scales) before each layer's attention."""
+    llm = _served_engine(model_dirs["llama"], kv_cache_dtype)
     native = llm.engine.model.native_layers
     assert native.runs_whole_steps
     whole_steps = _count_whole_steps(monkeypatch)
@@ -166,11 +170,12 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypa
     assert not whole_steps
 
 
-def test_one_call_steps_leave_quantized_caches_and_prefills_to_the_layers(model_dirs):
-    """decode_step_plan declines what `forward` attends otherwise (an 8-bit cache, prefills,
-    float32 queries), and plans a prefix shared by enough decodes to be attended once (128
-    tokens, 4 sequences) as `forward` splits it: the first sequence's prefix blocks, each
-    sequence's length past the prefix, buffers for the prefix's outputs and log-sum-exps."""
+def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(model_dirs):
+    """decode_step_plan declines what `forward` attends otherwise (prefills, float32 queries,
+    an 8-bit cache's prefix shared by enough decodes), and plans a prefix shared by enough
+    decodes to be attended once (128 tokens, 4 sequences) as `forward` splits it: the first
+    sequence's prefix blocks, each sequence's length past the prefix, buffers for the
+    prefix's outputs and log-sum-exps.  An 8-bit cache's plan carries its scales."""
     import dataclasses
 
     from kvserve.attention.base import AttentionMetadata
@@ -192,7 +197,8 @@ def test_one_call_steps_leave_quantized_caches_and_prefills_to_the_layers(model_
 
     whole = plan(decodes(4, 7))  # 112 shared tokens: not attended apart
     assert whole.tables.dtype == torch.int64 and whole.block_size == 16
-    assert len(whole.caches) == 2 * len(caches) and whole.caches[1] == caches[0].value.data_ptr()
+    assert len(whole.caches) == 4 * len(caches) and whole.caches[1] == caches[0].value.data_ptr()
+    assert whole.caches[2] is None and whole.caches[3] is None  # bf16: no scales
     assert whole.prefix_blocks == 0 and whole.prior_out is None
     assert whole.seq_lens.tolist() == [150] * 4
     assert plan(decodes(3, 8)).prefix_blocks == 0  # 3 sequences: not attended apart
@@ -205,7 +211,12 @@ def test_one_call_steps_leave_quantized_caches_and_prefills_to_the_layers(model_
     int8 = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                max_model_len=256, enforce_eager=False, enable_prefix_caching=False,
                kv_cache_dtype="int8", kv_cache_dtype_check="off").engine  # fmt: skip
-    assert plan(decodes(2, 0), kv_caches=int8.kv_caches) is None
+    quantized = plan(decodes(2, 0), kv_caches=int8.kv_caches)
+    first = int8.kv_caches[0]
+    assert quantized.kind == 3 and quantized.caches[4] == int8.kv_caches[1].key.data_ptr()
+    assert quantized.caches[2:4] == [first.key_scale.data_ptr(), first.value_scale.data_ptr()]
+    assert plan(decodes(4, 7), kv_caches=int8.kv_caches).prefix_blocks == 0
+    assert plan(decodes(4, 8), kv_caches=int8.kv_caches) is None  # forward gathers the prefix
 
 
 def test_decode_steps_after_a_shared_prefix_in_one_call_give_the_per_layer_tokens(model_dirs):

@@ -118,7 +118,7 @@ class DecodeStepPlan(NamedTuple):
     csrc/decode_layer.c's decode_step_layers needs to run all the layers in one call
     (models/native_layers.py)."""
 
-    caches: ctypes.Array  # [2 x layers] each layer's key and value cache data pointers
+    caches: ctypes.Array  # [4 x layers] each layer's key, value, key and value scales (or NULL)
     tables: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64: tokens past the shared prefix (all, without one)
     slots: torch.Tensor  # [B] int64: where each decode's new K/V row goes
@@ -199,22 +199,28 @@ class CpuPagedBackend(TorchRefBackend):
         num_heads: int,  # query heads
     ) -> DecodeStepPlan | None:
         """The step's attention for a one-call decode step, where `forward` would take the
-        decode kernel storing the new rows itself in every layer with the arguments built
-        here (no prefill, unquantized caches of the model's dtype on the CPU), after the
-        paged prefill kernel for a shared prefix attended once (`_split_at_shared_prefix`'s
-        decode-only case); else None: the layers call `forward`."""
+        decode kernel in every layer with the arguments built here (no prefill; caches of the
+        model's dtype, or 8-bit ones, on the CPU; the new rows stored as `forward` stores
+        them), after the paged prefill kernel for a shared prefix attended once
+        (`_split_at_shared_prefix`'s decode-only case, bf16 caches); else None: the layers
+        call `forward`."""
         first = kv_caches[0] if kv_caches else None
         if (
             first is None
             or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
             or metadata.prefills
             or first.key.device.type != "cpu"
-            or any(c.key.dtype != dtype or c.quantized for c in kv_caches)
+            or any(c.kv_dtype != first.kv_dtype for c in kv_caches)
+            or not (first.quantized or first.key.dtype == dtype)
         ):
             return None
         block_size = first.key.shape[1]
         prefix_len = metadata.shared_prefix_blocks * block_size
-        pointers = [c.data_ptr() for cache in kv_caches for c in (cache.key, cache.value)]
+        pointers = [
+            None if t is None else t.data_ptr()
+            for cache in kv_caches
+            for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)
+        ]
         plan = DecodeStepPlan(
             caches=(ctypes.c_void_p * len(pointers))(*pointers),
             tables=metadata.decode_block_tables.to(torch.int64).contiguous(),
@@ -225,7 +231,7 @@ class CpuPagedBackend(TorchRefBackend):
         )
         if not _attends_prefix_once(metadata, prefix_len, ()):
             return plan
-        if not self._bf16_prefill or block_size % 16:
+        if not self._bf16_prefill or block_size % 16 or first.quantized:
             return None  # forward gathers the prefix for SDPA: the layers call it
         rows, dim = metadata.num_decode_tokens, first.key.shape[3]
         return plan._replace(

@@ -209,13 +209,17 @@ int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_
  * attention, or the last layer's post-attention work.  The same kernels in the same order
  * as the per-layer calls of models/native_layers.py, so the same values bit for bit; what it
  * spares is the Python between them, ~0.3 ms a layer (~8 of a 32-row step's ~45 ms).
- * caches[2 i], caches[2 i + 1]: layer i's key and value cache ([blocks, block_size, Hkv, D],
- * `kind` storage, unquantized).  attn [m, Hq * D] bf16.
+ * caches[4 i .. 4 i + 3]: layer i's key and value cache ([blocks, block_size, Hkv, D], `kind`
+ * storage) and their scales ([blocks, block_size, Hkv] float32; NULL for unscaled storage).
+ * An 8-bit cache (kind 3, 5, 6) gets the step's new rows quantized and stored by
+ * kv_quantize.c's kv_quantize_store (the per-layer path's own store, so the same codes) before
+ * its attention; a bf16 cache has the decode kernel store them.  attn [m, Hq * D] bf16.
  * A shared prefix (prefix_blocks > 0, every sequence's first blocks, listed in prefix_table):
  * attended once for all m queries (prefill_bf16.c, into prior_out [m, Hq, D] and prior_lse
  * [m, Hq] float32), then each sequence over its own blocks past it (block_tables rows from
  * their prefix_blocks-th entry, seq_lens counting the tokens past the prefix), merged by the
- * log-sum-exps in the decode kernel: attention/cpu_paged.py's split at the shared prefix.
+ * log-sum-exps in the decode kernel: attention/cpu_paged.py's split at the shared prefix
+ * (bf16 caches only: the prefix kernel reads bf16 rows).
  * Returns 0, or 1 where a projection declined its shapes or an attention ran out of memory
  * (nothing of the step is usable). */
 int decode_step_layers(const decode_layer *layers, void *const *caches, int num_layers,
@@ -231,22 +235,32 @@ int decode_step_layers(const decode_layer *layers, void *const *caches, int num_
     const uint16_t *v = qkv + ((int64_t)l->num_heads + l->num_kv_heads) * l->head_dim;
     if (decode_pre_attention(l, hidden, mp, cos, sin, q, k, qkv, work, threads)) return 1;
     const int64_t q_row = (int64_t)l->num_heads * l->head_dim;
-    const int shared = prefix_blocks > 0;
+    const int shared = prefix_blocks > 0, quantized = kind == 3 || kind == 5 || kind == 6;
+    const int64_t kv_row = (int64_t)l->num_kv_heads * l->head_dim;
     for (int i = 0; i < num_layers; i++) {
         l = layers + i;
-        if (shared && prefill_attention_bf16(q, q_row, m * q_row, caches[2 * i],
-                                             kv_row_bytes / 2, 0, caches[2 * i + 1],
+        void *key = caches[4 * i], *value = caches[4 * i + 1];
+        float *key_scale = caches[4 * i + 2], *value_scale = caches[4 * i + 3];
+        if (quantized) { /* bf16 (src kind 1) rows: k [m, Hkv, D]; v inside qkv's rows */
+            kv_quantize_store(k, 1, kv_row, key, key_scale, slots, (int)m, l->num_kv_heads,
+                              l->head_dim, kind, threads);
+            kv_quantize_store(v, 1, qkv_row_bytes / 2, value, value_scale, slots, (int)m,
+                              l->num_kv_heads, l->head_dim, kind, threads);
+        }
+        if (shared && prefill_attention_bf16(q, q_row, m * q_row, key,
+                                             kv_row_bytes / 2, 0, value,
                                              kv_row_bytes / 2, 0, 1, m,
                                              (int64_t)prefix_blocks * block_size, l->num_heads,
                                              l->num_kv_heads, l->head_dim, sm_scale, 0, NULL,
                                              prior_out, prior_lse, 0, threads, prefix_table,
                                              prefix_blocks, block_size))
             return 1;
-        if (paged_decode_attention(q, attn, caches[2 * i], caches[2 * i + 1], NULL, NULL, NULL,
-                                   kind, block_tables + prefix_blocks, seq_lens, (int)m,
-                                   max_blocks, l->num_kv_heads, l->num_heads / l->num_kv_heads,
-                                   l->head_dim, block_size, sm_scale, threads, NULL, 1, k, v,
-                                   kv_row_bytes, qkv_row_bytes, slots, shared ? prior_out : NULL,
+        if (paged_decode_attention(q, attn, key, value, key_scale, value_scale, NULL, kind,
+                                   block_tables + prefix_blocks, seq_lens, (int)m, max_blocks,
+                                   l->num_kv_heads, l->num_heads / l->num_kv_heads, l->head_dim,
+                                   block_size, sm_scale, threads, NULL, 1, quantized ? NULL : k,
+                                   quantized ? NULL : v, kv_row_bytes, qkv_row_bytes,
+                                   quantized ? NULL : slots, shared ? prior_out : NULL,
                                    shared ? prior_lse : NULL))
             return 1;
         int failed = i + 1 < num_layers

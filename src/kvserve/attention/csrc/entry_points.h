@@ -1,6 +1,6 @@
 /*
  * Entry points that one kernel file calls in another (decode_layer.c's one-call decode step
- * calls the paged decode and prefill attentions).  Each defining file includes this too, so
+ * calls the paged decode and prefill attentions and the 8-bit store).  Each defining file includes this too, so
  * the compiler checks that the definition and the callers agree.
  */
 #ifndef KVSERVE_ENTRY_POINTS_H
@@ -24,4 +24,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
                            int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
                            float *lse, int engine, int num_threads, const int64_t *kv_table,
                            int64_t table_stride, int64_t kv_block_size);
+
+int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *cache,
+                      float *scales, const int64_t *slots, int num_tokens, int heads, int dim,
+                      int out_kind, int num_threads);
 #endif

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "entry_points.h"
+
 static inline float widen(const void *x, int kind, int64_t i) {
     if (kind == 0) return ((const float *)x)[i];
     uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16; /* bfloat16 */
