@@ -152,7 +152,9 @@ def _count_whole_steps(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
-def test_decode_steps_in_one_call_give_the_per_layer_tokens(model_dirs, monkeypatch, kv_cache_dtype):
+def test_decode_steps_in_one_call_give_the_per_layer_tokens(
+    model_dirs, monkeypatch, kv_cache_dtype
+):
     """A decode-only step runs every layer, attention included, in one C call (run_step),
     with the per-layer native calls' greedy tokens and logprobs bit for bit; the step with
     the prefills keeps the per-layer calls.  Over a bf16 cache the decode kernel stores the
