@@ -2,7 +2,8 @@
 
 One test runs the module as a process (`python -m kvserve.cli`: the exit code through
 sys.exit); the others call cli.main in this process, as that entry point does (a process
-each cost 7-10 s of imports on the 2-core CI machine, ~1 minute of the suite)."""
+each cost 7-10 s of imports on the 2-core CI machine, ~1 minute of the suite, before the
+engine's flags and the model path were checked ahead of those imports)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,27 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 def test_missing_model_path(tmp_path):
     proc = run_cli("generate", str(tmp_path / "nope.gguf"))
     assert_one_line_error(proc, "model path does not exist", "nope.gguf")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("serve", "nope.gguf"), ("generate", "--block-size", "12"), ("eval-kv", "--text", "t", ".")],
+)
+def test_engine_commands_answer_a_bad_flag_or_path_before_importing_torch(tmp_path, args):
+    """The engine's flags and the model path are checked before the re-execution with
+    tcmalloc and before anything imports torch or the tokenizer: the error comes back in a
+    fraction of a second (it took ~8 s, the imports twice)."""
+    script = (
+        "import sys\n"
+        "from kvserve import cli\n"
+        f"code = cli.main({list(args)!r})\n"
+        "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]\n"
+        "print(code, heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.stdout.strip() == "2 []", proc.stdout + proc.stderr
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_non_model_file(tmp_path, capsys):

@@ -11,17 +11,14 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.errors import ParameterError
-from kvserve.evaluation.kv_eval import (
-    EvalSettings,
-    KVDtypeResult,
-    evaluate_kv_dtypes,
-    load_model,
-)
-from kvserve.evaluation.paged import check_kv_dtypes
+from kvserve.evaluation.settings import EvalSettings
 from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, from_args
-from kvserve.runner import platform
+
+if TYPE_CHECKING:
+    from kvserve.evaluation.kv_eval import KVDtypeResult
 
 DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8"
 
@@ -90,6 +87,11 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    # The evaluation's imports (torch, the model, the tokenizer) only where it runs.
+    from kvserve.evaluation.kv_eval import evaluate_kv_dtypes, load_model
+    from kvserve.evaluation.paged import check_kv_dtypes
+    from kvserve.runner import platform
+
     config = engine_config_from_args(args)
     settings = settings_from_args(args)
     kv_dtypes = kv_dtypes_from_args(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -17,41 +17,13 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.evaluation import greedy, perplexity
 from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
+from kvserve.evaluation.settings import EvalSettings
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.runner import platform
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """`kvserve eval-kv`'s own flags (block_size comes from the engine's --block-size)."""
-
-    num_prompts: int = field(
-        default=8, metadata={"help": "Prompts for greedy agreement (0 skips it)."}
-    )
-    prompt_len: int = field(default=64, metadata={"help": "Tokens per greedy prompt."})
-    max_tokens: int = field(default=32, metadata={"help": "Greedy tokens generated per prompt."})
-    context_len: int = field(default=512, metadata={"help": "Tokens per perplexity window."})
-    chunk_size: int = field(
-        default=32,
-        metadata={"help": "Prefill chunk size: chunks after a window's first read the cache."},
-    )
-    max_eval_tokens: int = field(
-        default=20480,
-        metadata={"help": "Perplexity over the text's first N tokens (0: the whole text)."},
-    )
-    block_size: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("context_len", "chunk_size", "prompt_len", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ParameterError(f"--{name.replace('_', '-')}", "must be positive")
-        for name in ("num_prompts", "max_tokens", "max_eval_tokens"):
-            if getattr(self, name) < 0:
-                raise ParameterError(f"--{name.replace('_', '-')}", "must be >= 0")
 
 
 @dataclass

