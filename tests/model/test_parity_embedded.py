@@ -51,7 +51,9 @@ def test_logits_match_transformers(hf_model, ours, embedded_tokenizer):
 
 
 def test_64_greedy_tokens_match_transformers(hf_model, embedded_tokenizer):
-    llm = LLM(kv_cache_memory=64 * 2**20, max_model_len=1024, dtype="float32")
+    # Eager: the reference layers (compiling them cost ~17 s of this test; compiled against
+    # eager is tests/model/test_fast_paths.py, bf16's served path tests/model/test_bf16.py).
+    llm = LLM(kv_cache_memory=64 * 2**20, max_model_len=1024, dtype="float32", enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
