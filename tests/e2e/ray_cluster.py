@@ -55,11 +55,11 @@ def forget_cluster(port: int) -> None:
         pass
 
 
-def stop_session(process: subprocess.Popen, timeout: float = 10.0) -> None:
+def stop_session(process: subprocess.Popen, timeout: float = 3.0) -> None:
     """SIGINT to the process's whole session (Ctrl+C), SIGKILL when it does not end.  Alone,
     `ray start --block` ends 1.7 s after its SIGINT; at the end of the full suite neither it
     nor `serve run` ended within 30 s (two 30 s teardowns in --durations, both then killed),
-    so a longer wait only delayed the same SIGKILL."""
+    nor within 10 s (two 10.0 s teardowns), so a longer wait only delays the same SIGKILL."""
     try:
         os.killpg(process.pid, signal.SIGINT)
         process.wait(timeout)
