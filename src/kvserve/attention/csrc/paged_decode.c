@@ -693,18 +693,6 @@ static void pack_query_tiles(const float *q, int num_kv_heads, int group, int di
         }
 }
 
-/* 16 rows of 8-bit codes (row_stride bytes apart, width values each) as bf16 in buf: exact,
- * every code being a bf16 value (8-bit integers; fp8 values of 2-3 mantissa bits). */
-static inline void span_to_bf16(int kind, const char *rows, int64_t row_stride, int width,
-                                uint16_t *buf) {
-    for (int o = 0; o < 16; o++)
-        for (int c = 0; c < width / 16; c += 2) {
-            const char *row = rows + o * row_stride;
-            __m512bh pair = _mm512_cvtne2ps_pbh(chunk_f32(kind, row, c + 1), chunk_f32(kind, row, c));
-            _mm512_storeu_si512(buf + o * width + 16 * c, (__m512i)pair);
-        }
-}
-
 /* x[t * 16 + n] *= scales[first_slot + t][n / group] for the n rows of a span (lanes past
  * the heads multiplied by scales of KV head 0: never read).  The scales of a row's KV heads
  * are adjacent, so one masked load and a permute give the 16 lanes' factors. */
@@ -751,8 +739,11 @@ static void scores_amx(const uint16_t *qtiles, const char *key, const char *valu
         for (int64_t start = 0; start < rows; start += 16) {
             const char *span = block + start * row_stride;
             int64_t a_stride = row_stride;
-            if (kind != KV_BF16) {
-                span_to_bf16(kind, span, row_stride, width, kbuf);
+            if (kind != KV_BF16) { /* the span's 16 rows as bf16 (exact), all KV heads */
+                const void *codes[16];
+                const uint16_t *widened[16];
+                for (int o = 0; o < 16; o++) codes[o] = span + o * row_stride;
+                rows_to_bf16(kind, codes, 16, width, kbuf, widened);
                 span = (const char *)kbuf, a_stride = (int64_t)width * 2;
             }
             _tile_zero(0);
@@ -874,8 +865,8 @@ static void attend_sequence_amx(const float *q, float *out, const void *key, con
     uint16_t *qtiles = (uint16_t *)(work + 16 * ((seq_len + 15) / 16 * 16));
     uint16_t *kbuf = qtiles + num_kv_heads * (dim / 32) * QTILE_WORDS;
     pack_query_tiles(q, num_kv_heads, group, dim, qtiles);
-    scores_amx(qtiles, key, value, key_scale, value_scale, kind, table, seq_len, num_kv_heads, group, dim,
-               block_size, row_stride, kbuf, scores);
+    scores_amx(qtiles, key, value, key_scale, value_scale, kind, table, seq_len, num_kv_heads,
+               group, dim, block_size, row_stride, kbuf, scores);
     float inv_sum[16], lse_all[16];
     _mm512_storeu_ps(inv_sum, softmax_columns(scores, seq_len, sm_scale, lse ? lse_all : NULL));
     if (value_scale) /* after the sum: the weights of p x V, not the softmax's mass */
