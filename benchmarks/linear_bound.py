@@ -1,7 +1,9 @@
 """The matrix-product bound of W1 on this machine: the embedded model's linear layers alone
 (every projection of every layer, and the LM head for the rows that sample), at W1's shapes,
 with the weights, dtype and threads kvserve serves with (prepacked bfloat16 on a CPU with
-native bf16).  Nothing else runs: no attention, no element-wise work, no engine.
+native bf16).  Nothing else runs: no attention, no element-wise work, no engine.  Beside it,
+the floor of the attention it leaves out: the bytes of K and V that W1's decode steps read, at
+the machine's streaming read rate (docs/benchmarks.md, seventeenth round).
 
     W1 prefill: num_prompts x 256 tokens in chunks of --max-num-batched-tokens rows
     W1 decode:  128 steps of num_prompts rows (the whole batch decodes together)
@@ -47,6 +49,28 @@ def seconds_per_pass(model: torch.nn.Module, rows: int, sampled_rows: int, repea
     return (time.perf_counter() - started) / repeat
 
 
+def w1_kv_read_bytes(model: torch.nn.Module, num_prompts: int, element_bytes: int) -> int:
+    """Bytes of K and V W1's decode steps read: every sequence attends its whole context once
+    per layer and step, over INPUT_LEN + 1 .. INPUT_LEN + OUTPUT_LEN - 1 tokens (the first
+    output token comes from the prefill)."""
+    layer = model.layers[0]
+    token_steps = sum(range(INPUT_LEN + 1, INPUT_LEN + OUTPUT_LEN))
+    per_token = len(model.layers) * layer.num_kv_heads * layer.head_dim * 2 * element_bytes
+    return num_prompts * token_steps * per_token
+
+
+def read_bytes_per_second(size: int = 2**30, repeat: int = 5) -> float:
+    """The machine's streaming read rate with torch's threads: the best of `repeat` sums over
+    `size` bytes (a plain C read loop measured within a few % of it on the project's VMs)."""
+    x = torch.ones(size // 4)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - started)
+    return size / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=128)
@@ -60,6 +84,8 @@ def main() -> None:
     num_chunks = cdiv(args.num_prompts * INPUT_LEN, chunk)
     prefill = seconds_per_pass(model, chunk, chunk // INPUT_LEN, repeat=3)
     decode = seconds_per_pass(model, args.num_prompts, args.num_prompts, repeat=10)
+    kv_bytes = w1_kv_read_bytes(model, args.num_prompts, llm.engine.dtype.itemsize)
+    read_rate = read_bytes_per_second()
     result = {
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
@@ -69,6 +95,11 @@ def main() -> None:
         "w1_prefill_seconds": num_chunks * prefill,
         "w1_decode_seconds": OUTPUT_LEN * decode,
         "w1_seconds": num_chunks * prefill + OUTPUT_LEN * decode,
+        # The attention the bound leaves out cannot take less than its K/V reads at the
+        # streaming rate (with a cache of the model's dtype, as `kvserve serve` runs).
+        "w1_kv_read_bytes": kv_bytes,
+        "read_bytes_per_second": read_rate,
+        "w1_kv_read_seconds": kv_bytes / read_rate,
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
