@@ -130,7 +130,7 @@ def fetch_model_name(base_url: str) -> str:
 
 def load_bench_tokenizer(tokenizer: str | None, model: str) -> Any:
     """--tokenizer, else the embedded model's (when MODEL is it), else MODEL as a path."""
-    from kvserve.models.loader import EMBEDDED_NAME, embedded_model_path
+    from kvserve.models.paths import EMBEDDED_NAME, embedded_model_path
     from kvserve.tokenizer import load_tokenizer
 
     if tokenizer is not None:
