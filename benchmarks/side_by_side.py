@@ -273,9 +273,14 @@ def other_w2(args: argparse.Namespace, tokenizer: Any, rate: float) -> dict:
         return run_bench(again, "W2", w2(args), tokenizer, rate)
 
 
+def bound_measurements(report: dict[str, Any], name: str) -> list[float]:
+    """One field of linear_bound.py's report, from each of the run's bound measurements."""
+    return [report[key][name] for key in ("bound", "bound_after") if key in report]
+
+
 def bound_lines(report: dict[str, Any]) -> tuple[float, list[str]]:
     """The bound the multiples divide by (the mean of its measurements) and its report."""
-    seconds = [report[key]["w1_seconds"] for key in ("bound", "bound_after") if key in report]
+    seconds = bound_measurements(report, "w1_seconds")
     bound = sum(seconds) / len(seconds)
     if len(seconds) == 1:
         return bound, [f"bound: W1's linear layers alone take {bound:.1f} s"]
@@ -287,8 +292,7 @@ def bound_lines(report: dict[str, Any]) -> tuple[float, list[str]]:
 def kv_read_floor(report: dict[str, Any]) -> float:
     """Seconds W1's decode steps need to read their K and V at the streaming rate (the mean
     of the bound's measurements)."""
-    seconds = [report[key]["w1_kv_read_seconds"] for key in ("bound", "bound_after")
-               if key in report]  # fmt: skip
+    seconds = bound_measurements(report, "w1_kv_read_seconds")
     return sum(seconds) / len(seconds)
 
 
