@@ -273,11 +273,12 @@ def kernels_or_none() -> ctypes.CDLL | None:
 
 def kernel_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
     """The library's function `name`, with its C argument types and an int result, or None
-    where the library cannot be built here."""
+    where the library cannot be built here or was built without it (some functions exist only
+    where the compiler targets their instructions, AMX for one)."""
     kernels = kernels_or_none()
-    if kernels is None:
+    function = getattr(kernels, name, None) if kernels is not None else None
+    if function is None:
         return None
-    function = getattr(kernels, name)
     function.restype = ctypes.c_int
     function.argtypes = argtypes
     return function
