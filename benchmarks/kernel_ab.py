@@ -65,7 +65,7 @@ def base_library(revision: str, workdir: Path) -> ctypes.CDLL:
 
 
 def projections(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
-    fn = lib.linear_bf16_amx
+    fn = lib.linear_bf16_packed
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     weights = [PackedLinear((torch.randn(n, k) * 0.05).to(torch.bfloat16), None)

@@ -47,6 +47,7 @@ _SOURCES = tuple(
         "silu_mul.c",
         "prefill_bf16.c",
         "linear_amx.c",
+        "linear_dot.c",
         "decode_layer.c",
     )
 )

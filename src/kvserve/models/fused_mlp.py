@@ -78,9 +78,9 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 fused_silu_mul = torch.ops.kvserve.silu_mul.default
 
 
-# SiLU x up fused into the gate_up projection itself for a decode step's few rows (csrc/
-# linear_amx.c, silu_gate_up_bf16_amx): each thread multiplies the gate and up blocks it
-# computed, so no [rows, 2 x features] tensor is written and read back across the cores.
+# SiLU x up fused into the gate_up projection itself (csrc/linear_amx.c or linear_dot.c,
+# silu_gate_up_bf16_packed): each thread multiplies the gate and up blocks it computed, so
+# no [rows, 2 x features] tensor is written and read back across the cores.
 _LIBRARY.define(
     "packed_silu_gate_up(Tensor x, Tensor packed_weight, int features, int amx_rows) -> Tensor"
 )
@@ -92,7 +92,7 @@ def _gate_up_kernel() -> Callable[..., int] | None:
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel_function(
-        "silu_gate_up_bf16_amx", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        "silu_gate_up_bf16_packed", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     )
 
 

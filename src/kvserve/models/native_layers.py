@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from kvserve.models.packed_linear import AMX_ALL_ROWS, PackedLinear
+from kvserve.models.packed_linear import AMX_ALL_ROWS, PackedLinear, packed_block_cols
 
 if TYPE_CHECKING:
     from kvserve.attention.cpu_paged import DecodeStepPlan
@@ -101,8 +101,9 @@ def _describe(layer: nn.Module) -> _Layer:
 
 
 def _runs_natively(layer: nn.Module) -> bool:
-    """This layer's work runs here: every projection packed, in bfloat16, on the AMX kernel at
-    every row count, with the shapes the C code takes."""
+    """This layer's work runs here: every projection packed, in bfloat16, on the library's
+    projection kernel (AMX, or vdpbf16ps without it) at every row count, with the shapes the C
+    code takes."""
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(p, PackedLinear) for p in projections) or not layer.fused_silu:
         return False
@@ -115,7 +116,10 @@ def _runs_natively(layer: nn.Module) -> bool:
         return False
     hidden, intermediate = layer.o_proj.out_features, layer.gate_up_proj.out_features // 2
     biased = any(p.bias is not None for p in projections[1:])
-    return not (biased or hidden % 32 or intermediate % 32 or layer.head_dim % 32)
+    block_cols = packed_block_cols()
+    if biased or not block_cols or intermediate % block_cols:
+        return False
+    return not (hidden % 32 or layer.head_dim % 32)
 
 
 class NativeLayers:

@@ -159,8 +159,19 @@ def _amx_kernel() -> Callable[..., int] | None:
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return kernel_function(
-        "linear_bf16_amx", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        "linear_bf16_packed", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     )
+
+
+@functools.cache
+def packed_block_cols() -> int:
+    """The column block of the layout the projection kernels read (oneDNN packs a bf16 weight
+    in blocks of 32 columns for AMX, 64 for AVX512-BF16 without it), 0 where there are none.
+    silu_gate_up splits its weight [Wg; Wu] at a block: features must be a multiple."""
+    from kvserve.attention.cpu_kernels import kernel_function
+
+    block_cols = kernel_function("linear_packed_block_cols", [])
+    return 0 if block_cols is None else block_cols()
 
 
 def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:

@@ -2,7 +2,8 @@
  * The work between two attentions of a bfloat16 step (decodes and prefills; the file keeps
  * its first name), in one call per layer: output projection, residual, RMSNorm, SiLU-gated
  * MLP, residual, the next layer's RMSNorm, QKV projection and RoPE.  The projections are
- * linear_amx.c's kernels on oneDNN's packed weights; the element-wise work is written here.
+ * linear_amx.c's kernels (AMX tiles) or linear_dot.c's (vdpbf16ps, on CPUs without AMX) on
+ * oneDNN's packed weights; the element-wise work is written here.
  *
  * Why: through torch.compile the same work cost ~0.35 ms a layer more than its projections
  * alone, whatever the row count (guards, the compiled region's wrappers, the custom ops'
@@ -28,17 +29,10 @@
 
 #include "entry_points.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
+#if (KVSERVE_LINEAR_AMX || KVSERVE_LINEAR_DOT) && defined(__linux__)
+#define DECODE_LAYER_BUILT 1
 #include <immintrin.h>
 #include <omp.h>
-
-int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
-                    int64_t k, int num_threads);
-int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
-                          int64_t k, int num_threads);
 
 /* One layer's weights (packed ones are oneDNN's layout, see linear_amx.c) and shape. */
 typedef struct {
@@ -128,7 +122,7 @@ static int project_qkv(const decode_layer *l, const uint16_t *normed, int64_t mp
                        uint16_t *qkv, int threads) {
     const int dim = l->head_dim, hq = l->num_heads, hkv = l->num_kv_heads;
     const int64_t width = (int64_t)(hq + 2 * hkv) * dim;
-    if (linear_bf16_amx(normed, l->hidden, l->qkv, l->qkv_bias, qkv, width, mp, width, l->hidden,
+    if (linear_bf16_packed(normed, l->hidden, l->qkv, l->qkv_bias, qkv, width, mp, width, l->hidden,
                         threads))
         return 1;
     #pragma omp parallel for num_threads(threads)
@@ -163,13 +157,13 @@ static int mlp_block(const decode_layer *l, const decode_layer *next, uint16_t *
     uint16_t *down = normed + mp * h, *act = down + mp * h;
     memcpy(padded, attn, (size_t)(m * q_size * 2));
     memset(padded + m * q_size, 0, (size_t)((mp - m) * q_size * 2));
-    if (linear_bf16_amx(padded, q_size, l->o, NULL, o, h, mp, h, q_size, threads)) return 1;
+    if (linear_bf16_packed(padded, q_size, l->o, NULL, o, h, mp, h, q_size, threads)) return 1;
     #pragma omp parallel for num_threads(threads)
     for (int64_t r = 0; r < mp; r++)
         rms_norm_row(hidden + r * h, o + r * h, NULL, NULL, l->post_norm, normed + r * h, h, l->eps);
-    if (silu_gate_up_bf16_amx(normed, h, l->gate_up, act, l->intermediate, mp, l->intermediate, h,
+    if (silu_gate_up_bf16_packed(normed, h, l->gate_up, act, l->intermediate, mp, l->intermediate, h,
                               threads)
-        || linear_bf16_amx(act, l->intermediate, l->down, NULL, down, h, mp, h, l->intermediate,
+        || linear_bf16_packed(act, l->intermediate, l->down, NULL, down, h, mp, h, l->intermediate,
                            threads))
         return 1;
     #pragma omp parallel for num_threads(threads)
@@ -272,14 +266,14 @@ int decode_step_layers(const decode_layer *layers, void *const *caches, int num_
     return 0;
 }
 #else
-/* No AMX in this build: models/native_layers.py never calls these (decode_layer_available). */
+/* Neither projection kernel in this build: models/native_layers.py never calls these
+ * (decode_layer_available). */
 int64_t decode_layer_work_bytes(const void *l, int64_t mp) { (void)l, (void)mp; return -1; }
 #endif
 
 /* 1 where this build has the functions above. */
 int decode_layer_available(void) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
+#if DECODE_LAYER_BUILT
     return 1;
 #else
     return 0;

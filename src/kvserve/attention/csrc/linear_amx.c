@@ -17,14 +17,16 @@
  *   x    [M, K] bf16, row stride x_stride elements; M a multiple of 16
  *   out  [M, N] bf16, row stride out_stride elements
  *   bias [N] bf16 or NULL
- * K: a multiple of 32.  Returns 0, or 1 where this build has no AMX (the caller keeps oneDNN).
+ * K: a multiple of 32.  Returns 0, or 1 where the CPU refuses AMX or the shapes do not fit (the
+ * caller keeps oneDNN).  A build without AMX has linear_dot.c's kernels under the same names.
  */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
+#include "entry_points.h"
+
+#if KVSERVE_LINEAR_AMX
 #include <immintrin.h>
 #include <omp.h>
 #include "amx_tiles.h"
@@ -208,9 +210,9 @@ static void linear_rows(const uint16_t *x, int64_t x_stride, const uint16_t *wei
     }
 }
 
-int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
-                    int64_t k, int num_threads) {
+int linear_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                       const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m,
+                       int64_t n, int64_t k, int num_threads) {
     if (!amx_permitted() || m % 16 || k % 32 || m < 1) return 1;
     for (int64_t r = 0; r < m; r += ROW_CHUNK)
         linear_rows(x + r * x_stride, x_stride, weight, bias, out + r * out_stride, out_stride,
@@ -263,27 +265,31 @@ static void silu_gate_up_rows(const uint16_t *x, int64_t x_stride, const uint16_
     }
 }
 
-int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
-                          int64_t k, int num_threads) {
+int silu_gate_up_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                             uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                             int64_t k, int num_threads) {
     if (!amx_permitted() || m % 16 || k % 32 || features % 32 || m < 1) return 1;
     for (int64_t r = 0; r < m; r += ROW_CHUNK)
         silu_gate_up_rows(x + r * x_stride, x_stride, weight, out + r * out_stride, out_stride,
                           m - r < ROW_CHUNK ? m - r : ROW_CHUNK, features, k, num_threads);
     return 0;
 }
-#else
-int silu_gate_up_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                          uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
-                          int64_t k, int num_threads) {
+
+int linear_packed_block_cols(void) { return 32; }
+#elif !KVSERVE_LINEAR_DOT /* neither kernel: stubs that decline */
+int linear_packed_block_cols(void) { return 0; }
+
+int silu_gate_up_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                             uint16_t *out, int64_t out_stride, int64_t m, int64_t features,
+                             int64_t k, int num_threads) {
     (void)x, (void)x_stride, (void)weight, (void)out, (void)out_stride;
     (void)m, (void)features, (void)k, (void)num_threads;
     return 1;
 }
 
-int linear_bf16_amx(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
-                    const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m, int64_t n,
-                    int64_t k, int num_threads) {
+int linear_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
+                       const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m,
+                       int64_t n, int64_t k, int num_threads) {
     (void)x, (void)x_stride, (void)weight, (void)bias, (void)out, (void)out_stride;
     (void)m, (void)n, (void)k, (void)num_threads;
     return 1;
