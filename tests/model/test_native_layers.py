@@ -17,7 +17,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama import compiled_kernels
 from kvserve.models.native_layers import NativeLayers, _functions
-from kvserve.models.packed_linear import AMX_ALL_ROWS, can_pack
+from kvserve.models.packed_linear import KERNEL_ALL_ROWS, can_pack
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16) or _functions() is None,
@@ -75,7 +75,7 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
     model = _served_engine(model_dirs[arch]).engine.model
     native, compiled = model.native_layers, compiled_kernels()
     assert native is not None
-    assert all(layer.qkv_proj.amx_rows == AMX_ALL_ROWS for layer in model.layers)
+    assert all(layer.qkv_proj.kernel_rows == KERNEL_ALL_ROWS for layer in model.layers)
     assert (model.layers[0].qkv_proj.bias is not None) == (arch == "qwen2")
     first, second, last = model.layers[0], model.layers[1], model.layers[-1]
 

@@ -70,11 +70,12 @@ def test_float32_keeps_torch_expression():
 
 
 def test_silu_x_up_fused_into_a_packed_projection_is_as_close_as_the_reference():
-    """Where the AMX kernel takes the weight, a packed gate_up projection computes SiLU(gate)
-    x up in one kernel from the float32 results (csrc/linear_amx.c; 600 rows: in chunks of
-    256), within bfloat16 rounding of the float32 expression and no further than the
-    reference path (F.linear in bf16, then torch's SiLU x up), up to one bf16 rounding.
-    Without it (amx_rows 0), oneDNN's projection and then the SiLU kernel: within one bf16
+    """Where the projection kernel takes the weight, a packed gate_up projection computes
+    SiLU(gate) x up in one kernel from the float32 results (csrc/linear_amx.c, or linear_dot.c
+    without AMX, whose 64-column blocks need features a multiple of 64; 600 rows: in chunks),
+    within bfloat16 rounding of the float32 expression and no further than the reference path
+    (F.linear in bf16, then torch's SiLU x up), up to one bf16 rounding.
+    Without it (kernel_rows 0), oneDNN's projection and then the SiLU kernel: within one bf16
     ulp of torch's SiLU x up of oneDNN's gate and up."""
     from kvserve.models.fused_mlp import packed_silu_gate_up, silu_and_mul
     from kvserve.models.packed_linear import PackedLinear, can_pack
@@ -82,16 +83,16 @@ def test_silu_x_up_fused_into_a_packed_projection_is_as_close_as_the_reference()
     if not can_pack(torch.device("cpu"), torch.bfloat16):
         pytest.skip("oneDNN cannot pack bf16 on this CPU")
     torch.manual_seed(0)
-    features = 96
+    features = 128
     weight = (torch.randn(2 * features, 64) * 0.2).to(torch.bfloat16)
     layer = PackedLinear(weight, None)
-    cases = [(rows, layer.amx_rows) for rows in (1, 16, 48, 64, 65, 200, 600)]
-    for rows, amx_rows in [*cases, (64, 0), (200, 0), (600, 0)]:
-        layer.amx_rows = amx_rows
+    cases = [(rows, layer.kernel_rows) for rows in (1, 16, 48, 64, 65, 200, 600)]
+    for rows, kernel_rows in [*cases, (64, 0), (200, 0), (600, 0)]:
+        layer.kernel_rows = kernel_rows
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        got = packed_silu_gate_up(x, layer.packed_weight, features, layer.amx_rows)
+        got = packed_silu_gate_up(x, layer.packed_weight, features, layer.kernel_rows)
         assert got.shape == (rows, features) and got.dtype == torch.bfloat16
-        if not amx_rows:
+        if not kernel_rows:
             linear = torch.ops.mkldnn._linear_pointwise
             gate_up = linear(x, layer.packed_weight, None, "none", [], "")
             assert bf16_ulps(got, reference(gate_up)).max().item() <= 1.0, rows

@@ -82,7 +82,7 @@ fused_silu_mul = torch.ops.kvserve.silu_mul.default
 # silu_gate_up_bf16_packed): each thread multiplies the gate and up blocks it computed, so
 # no [rows, 2 x features] tensor is written and read back across the cores.
 _LIBRARY.define(
-    "packed_silu_gate_up(Tensor x, Tensor packed_weight, int features, int amx_rows) -> Tensor"
+    "packed_silu_gate_up(Tensor x, Tensor packed_weight, int features, int kernel_rows) -> Tensor"
 )
 
 
@@ -97,13 +97,13 @@ def _gate_up_kernel() -> Callable[..., int] | None:
 
 
 def _packed_silu_gate_up(
-    x: torch.Tensor, packed_weight: torch.Tensor, features: int, amx_rows: int
+    x: torch.Tensor, packed_weight: torch.Tensor, features: int, kernel_rows: int
 ) -> torch.Tensor:
-    """SiLU(x Wg^T) x (x Wu^T) for a packed gate_up weight [Wg; Wu]: up to `amx_rows` rows in
-    one AMX kernel call, else oneDNN's projection and the SiLU kernel."""
+    """SiLU(x Wg^T) x (x Wu^T) for a packed gate_up weight [Wg; Wu]: up to `kernel_rows` rows in
+    one call of the projection kernel, else oneDNN's projection and the SiLU kernel."""
 
     def compute(rows: torch.Tensor) -> torch.Tensor:  # [M, in], M bucketed
-        kernel = _gate_up_kernel() if rows.shape[0] <= amx_rows and rows.stride(1) == 1 else None
+        kernel = _gate_up_kernel() if rows.shape[0] <= kernel_rows and rows.stride(1) == 1 else None
         if kernel is not None:
             out = rows.new_empty((rows.shape[0], features))
             if not kernel(
@@ -125,7 +125,9 @@ for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a o
 
 
 @torch.library.register_fake("kvserve::packed_silu_gate_up")
-def _(x: torch.Tensor, packed_weight: torch.Tensor, features: int, amx_rows: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, packed_weight: torch.Tensor, features: int, kernel_rows: int
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], features))
 
 

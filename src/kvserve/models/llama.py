@@ -29,9 +29,9 @@ from kvserve.models.fused_mlp import (
 )
 from kvserve.models.native_layers import NativeLayers
 from kvserve.models.packed_linear import (
-    LOGITS_AMX_MAX_ROWS,
     PackedLinear,
     can_pack,
+    logits_kernel_max_rows,
     pack_linear_layers,
     padded_rows,
 )
@@ -119,7 +119,7 @@ def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
     projection = layer.gate_up_proj
     if layer.fused_silu and isinstance(projection, PackedLinear) and projection.bias is None:
         activated = packed_silu_gate_up(
-            normed, projection.packed_weight, projection.out_features // 2, projection.amx_rows
+            normed, projection.packed_weight, projection.out_features // 2, projection.kernel_rows
         )
     else:
         gate_up = projection(normed)
@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         """Every projection, and the LM head, through oneDNN-prepacked weights (see
         packed_linear.py); the tied embedding keeps its plain table for the lookups."""
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        self.logits_head = PackedLinear(head, None, LOGITS_AMX_MAX_ROWS)
+        self.logits_head = PackedLinear(head, None, logits_kernel_max_rows())
         if not self.config.tie_word_embeddings:
             del self.lm_head
         pack_linear_layers(self.layers)

@@ -6,10 +6,12 @@ inductor's element-wise kernels), at any row count: ~10 ms of a 128-row decode s
 embedded model.  At a prefill step's rows, inductor's element-wise kernels and the separate
 SiLU pass cost more than the projections' kernel change does: a 2,048-token step of the
 embedded model took 973 against 1,016 ms (docs/benchmarks.md, fourteenth round).  This path
-serves every step where each projection takes the AMX kernel at every row count
-(packed_linear.AMX_ALL_ROWS), with the compiled layers' values bit for bit: the same
-projection kernels, and inductor's element-wise arithmetic written out in C.  The object has
-LayerKernels' three functions, so LlamaForCausalLM.forward calls it in their place.
+serves every step where each projection takes the library's projection kernel (AMX tiles,
+or vdpbf16ps on a CPU without AMX) at every row count (packed_linear.KERNEL_ALL_ROWS), with
+the compiled layers' values bit for bit: the same projection kernels, and inductor's
+element-wise arithmetic written out in C.  The object has LayerKernels' three functions, so
+LlamaForCausalLM.forward calls it in their place.  On the AMD EPYC without AMX it took W1's
+128-row decode step from 174 to 129 ms (docs/benchmarks.md, nineteenth round).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from kvserve.models.packed_linear import AMX_ALL_ROWS, PackedLinear, packed_block_cols
+from kvserve.models.packed_linear import KERNEL_ALL_ROWS, PackedLinear, packed_block_cols
 
 if TYPE_CHECKING:
     from kvserve.attention.cpu_paged import DecodeStepPlan
@@ -48,7 +50,7 @@ class _Layer(ctypes.Structure):
 @functools.cache
 def _functions() -> dict[str, Callable[..., int]] | None:
     """The library's decode_layer functions with their argument types, or None where the
-    library cannot be built or has no AMX build of them."""
+    library cannot be built or has no build of them (no AVX512-BF16)."""
     from kvserve.attention.cpu_kernels import kernel_function
 
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -107,7 +109,7 @@ def _runs_natively(layer: nn.Module) -> bool:
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(p, PackedLinear) for p in projections) or not layer.fused_silu:
         return False
-    if any(p.amx_rows != AMX_ALL_ROWS for p in projections):
+    if any(p.kernel_rows != KERNEL_ALL_ROWS for p in projections):
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
@@ -140,7 +142,7 @@ class NativeLayers:
 
     @classmethod
     def build(cls, layers: Sequence[nn.Module]) -> NativeLayers | None:
-        """For these layers, or None where the C path cannot serve them (no AMX build, layers
+        """For these layers, or None where the C path cannot serve them (no such build, layers
         not packed in bfloat16, shapes the C code does not take)."""
         if not layers or not all(_runs_natively(layer) for layer in layers):
             return None

@@ -29,11 +29,11 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 # qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02 / 14.3
 # ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 / 6.95 /
 # 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (fourteenth round).
-AMX_ALL_ROWS = sys.maxsize
-# The LM head (49,152 x 576 for the embedded model) is the exception: oneDNN streams it faster
-# past 32 rows (one process, alternating: 64 rows 2.56 against 2.14 ms, 128 rows 5.57 against
-# 3.82 ms; 16 rows 1.34 against 1.44 ms, 32 rows 1.55 against 1.77 ms).
-LOGITS_AMX_MAX_ROWS = 32
+KERNEL_ALL_ROWS = sys.maxsize
+# The LM head (49,152 x 576 for the embedded model) is the exception on AMX: oneDNN streams it
+# faster past 32 rows (one process, alternating: 64 rows 2.56 against 2.14 ms, 128 rows 5.57
+# against 3.82 ms; 16 rows 1.34 against 1.44 ms, 32 rows 1.55 against 1.77 ms).
+LOGITS_KERNEL_MAX_ROWS = 32
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,7 +77,7 @@ def padded_rows(num_rows: int) -> int:
 _LIBRARY = torch.library.Library("kvserve", "FRAGMENT")
 _LIBRARY.define(
     "packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, "
-    "int amx_rows) -> Tensor"
+    "int kernel_rows) -> Tensor"
 )
 
 
@@ -86,12 +86,12 @@ def _packed_linear(
     packed_weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    amx_rows: int,
+    kernel_rows: int,
 ) -> torch.Tensor:
     """x [..., in] -> [..., out] with a prepacked weight, on a bucketed row count: through
-    the AMX kernel up to `amx_rows` rows (0: never), oneDNN otherwise."""
+    the library's projection kernel up to `kernel_rows` rows (0: never), oneDNN otherwise."""
     return on_bucketed_rows(
-        x, lambda rows: _linear_rows(rows, packed_weight, bias, out_features, amx_rows),
+        x, lambda rows: _linear_rows(rows, packed_weight, bias, out_features, kernel_rows),
         out_features,
     )  # fmt: skip
 
@@ -118,20 +118,20 @@ def _linear_rows(
     packed_weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    amx_rows: int,
+    kernel_rows: int,
 ) -> torch.Tensor:
-    if rows.shape[0] <= amx_rows and rows.stride(1) == 1:
-        out = _amx_linear(rows, packed_weight, bias, out_features)
+    if rows.shape[0] <= kernel_rows and rows.stride(1) == 1:
+        out = _kernel_linear(rows, packed_weight, bias, out_features)
         if out is not None:
             return out
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
 
 
-def _amx_linear(
+def _kernel_linear(
     rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor | None:
     """csrc/linear_amx.c over oneDNN's packed weight, or None where it declines."""
-    kernel = _amx_kernel()
+    kernel = _linear_kernel()
     if kernel is None:
         return None
     out = rows.new_empty((rows.shape[0], out_features))
@@ -154,7 +154,7 @@ def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 @functools.cache
-def _amx_kernel() -> Callable[..., int] | None:
+def _linear_kernel() -> Callable[..., int] | None:
     from kvserve.attention.cpu_kernels import kernel_function
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -174,22 +174,31 @@ def packed_block_cols() -> int:
     return 0 if block_cols is None else block_cols()
 
 
-def amx_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """Up to how many rows this packed weight goes through the AMX kernel: AMX_ALL_ROWS where
+def logits_kernel_max_rows() -> int:
+    """Up to how many rows the LM head goes through the projection kernel: 32 for the AMX one
+    (above), every row count for linear_dot.c's vdpbf16ps one, at par with oneDNN or faster
+    at 16-128 rows (AMD EPYC, alternating: 16 rows 2.85-3.16 against 3.74-3.93 ms, 64 rows
+    9.52-10.46 against 10.31-10.61, 128 rows 18.69-19.00 against 18.74-19.17)."""
+    return LOGITS_KERNEL_MAX_ROWS if packed_block_cols() == 32 else KERNEL_ALL_ROWS
+
+
+def kernel_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """Up to how many rows this packed weight goes through the library's projection kernel
+    (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it): KERNEL_ALL_ROWS where
     the kernel runs and reads oneDNN's layout of this weight correctly (checked on 16 random
     rows against oneDNN itself: another oneDNN version or CPU may pack differently), else 0."""
-    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or _amx_kernel() is None:
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or _linear_kernel() is None:
         return 0
     rows = torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(0))
     rows = rows.to(torch.bfloat16)
     try:
-        got = _amx_linear(rows, packed, bias, weight.shape[0])
+        got = _kernel_linear(rows, packed, bias, weight.shape[0])
     except RuntimeError:  # no oneDNN data pointer for this tensor
         return 0
     want = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     if got is None or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
         return 0
-    return AMX_ALL_ROWS
+    return KERNEL_ALL_ROWS
 
 
 for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor; the packed weight is a oneDNN one
@@ -202,7 +211,7 @@ def _(
     packed_weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    amx_rows: int,
+    kernel_rows: int,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -214,7 +223,10 @@ class PackedLinear(nn.Module):
     """y = x @ W^T + b with W kept in oneDNN's blocked layout (inference only)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, amx_max_rows: int = AMX_ALL_ROWS
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel_max_rows: int = KERNEL_ALL_ROWS,
     ) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
@@ -222,10 +234,10 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        self.amx_rows = min(amx_rows_for(weight, packed, self.bias), amx_max_rows)
+        self.kernel_rows = min(kernel_rows_for(weight, packed, self.bias), kernel_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.amx_rows)
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features, self.kernel_rows)
 
 
 def pack_linear_layers(model: nn.Module) -> int:

@@ -22,6 +22,7 @@
  * Built by kvserve/attention/cpu_kernels.py with gcc -O3 -march=native -fopenmp; the OpenMP
  * runtime is the one torch already loaded (same soname), so the kernel shares its threads.
  */
+#define _GNU_SOURCE /* syscall(), for amx_tiles.h on AMX builds */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
