@@ -518,7 +518,7 @@ static inline void prefetch_part(const char *base, int64_t bytes, int part, int 
 }
 
 /* What the pass over V prefetches for the sequence this thread attends next: its first
- * NEXT_SEQ_BLOCKS blocks of K and V (the pass over V reads from L2, its memory bus is free). */
+ * NEXT_SEQ_BLOCKS blocks of K and V, so that its first pass does not start on a miss. */
 #define NEXT_SEQ_BLOCKS 2
 typedef struct {
     const int64_t *table; /* NULL: no next sequence */
@@ -550,6 +550,12 @@ static inline void head_rows(const char *block, int count, int64_t row_stride, i
  * register accumulators (V scales folded into the weights).  Against an online softmax per
  * block this saves the per-block maxima, rescaling and exponentials' latency chains; the
  * scores (num_heads x seq_len floats) stay in L2.
+ * Each pass asks for its own blocks one block ahead, in slices spread over its work: K during
+ * the scores, V during p x V.  With both asked for during the scores (V for the second pass),
+ * the first pass streamed the whole 2 x 6 KiB a block at the core's limit of misses in flight
+ * and p x V ran from L2 with the memory idle: on the AMD EPYC (no AMX) W1's 128 x 320 tokens
+ * took 1.69 ms a layer against 1.48 with V fetched under p x V (alternating, six rounds each,
+ * /tmp/k14/ab.py; docs/benchmarks.md, nineteenth round).
  * work: 16 * group + 8 * dim + num_heads * round_up(seq_len, 16) floats. */
 static void attend_sequence_fast(const float *q, float *out, const void *key, const void *value,
                                  const float *key_scale, const float *value_scale, int kind,
@@ -575,7 +581,6 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 1: scores */
         int count;
         const char *block = table_block(key, table, b, block_bytes, seq_len, block_size, &count);
-        const char *its_value = (const char *)value + table[b] * block_bytes;
         const char *next_key = b + 1 < num_blocks ? (const char *)key + table[b + 1] * block_bytes : NULL;
         for (int h = 0; h < num_kv_heads; h++) {
             head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
@@ -591,16 +596,15 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
                     rows_to_bf16(kind, rows + start, n, dim, kbuf, kbf);
                 __mmask16 live = (__mmask16)((1u << n) - 1u);
                 for (int g = 0; g < group; g++) {
-                    if (start == 0) { /* this block's V for pass 2, the next block's K */
-                        prefetch_part(its_value, block_bytes, h * group + g, num_heads);
-                        if (next_key) prefetch_part(next_key, block_bytes, h * group + g, num_heads);
-                    }
+                    if (start == 0 && next_key) /* the next block's K */
+                        prefetch_part(next_key, block_bytes, h * group + g, num_heads);
                     __m512 sc = _mm512_mul_ps(bf16_scores16(qbf[h * group + g], kbf, n, chunks), ks);
                     _mm512_mask_storeu_ps(scores + (int64_t)(h * group + g) * padded + row0, live, sc);
                 }
             }
         }
     }
+    prefetch_part((const char *)value + table[0] * block_bytes, block_bytes, 0, 1); /* pass 2's first */
     float inv_sum[num_heads], max_score[num_heads];
     for (int head = 0; head < num_heads; head++)
         inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len, &max_score[head]);
@@ -608,7 +612,10 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 2: p x V */
         int count;
         const char *block = table_block(value, table, b, block_bytes, seq_len, block_size, &count);
+        const char *next_value =
+            b + 1 < num_blocks ? (const char *)value + table[b + 1] * block_bytes : NULL;
         for (int h = 0; h < num_kv_heads; h++) {
+            if (next_value) prefetch_part(next_value, block_bytes, h, num_kv_heads); /* next V */
             prefetch_next_part(key, value, next, block_bytes, b * num_kv_heads + h,
                                num_blocks * num_kv_heads);
             head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
