@@ -7,7 +7,8 @@ kernel changes are worth, so only an alternating comparison in one process can s
     .venv/bin/python benchmarks/kernel_ab.py decode --batch 64 --context 48 --base HEAD~1
     .venv/bin/python benchmarks/kernel_ab.py prefill --queries 1024 --keys 1024
 
-projections: csrc/linear_amx.c over the embedded model's four projection shapes, 30 layers of
+projections: the projection kernel (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16
+without it) over the embedded model's four projection shapes, 30 layers of
 random weights, --rows rows.  decode: the paged decode kernel at --batch x --context tokens,
 sequences on consecutive blocks, cycling 30 layer caches (so that a layer's K/V has left the
 caches when it is read again).  prefill: the bf16 prefill kernel, --queries over --keys keys
