@@ -125,6 +125,10 @@ typedef struct {
     float *out_f32, *lse;
 } prefill_args;
 
+/* Query rows the vdpbf16ps loops take at a time (x 4 vectors: 24 accumulators): each K or V
+ * vector loaded serves six rows' broadcasts instead of four. */
+#define GROUP_ROWS 6
+
 /* Query rows per work item: two tiles' worth, so that each K or V tile loaded from L2 feeds
  * two products (block_scores_amx2, block_output_amx2). */
 #define ITEM_ROWS 32
@@ -214,70 +218,93 @@ static void block_output_amx2(const prefill_args *a, const uint32_t *values, blo
  * 16 keys' dimension pair (Q x K^T), or 16 dimensions' key pair (P x V); the other operand's
  * pair is broadcast.  Four query rows by four vectors of accumulators (16 registers) hide the
  * instruction's latency and read each loaded vector four times. */
-static inline __attribute__((always_inline)) void scores_4rows(
+static inline __attribute__((always_inline)) void scores_rows(
     const uint32_t *q, int pairs, const uint32_t *keys, int64_t block_words, float *s,
-    int64_t stride, const int nb) {
-    __m512 acc[4][4];
-    for (int m = 0; m < 4; m++)
+    int64_t stride, const int rows, const int nb) {
+    __m512 acc[GROUP_ROWS][4];
+    for (int m = 0; m < rows; m++)
         for (int b = 0; b < nb; b++) acc[m][b] = _mm512_setzero_ps();
     for (int i = 0; i < pairs; i++) {
         __m512bh k[4];
         for (int b = 0; b < nb; b++) k[b] = (__m512bh)_mm512_loadu_si512(keys + b * block_words + i * 16);
-        for (int m = 0; m < 4; m++) {
+        for (int m = 0; m < rows; m++) {
             const __m512bh qm = (__m512bh)_mm512_set1_epi32((int)q[m * pairs + i]);
             for (int b = 0; b < nb; b++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], qm, k[b]);
         }
     }
-    for (int m = 0; m < 4; m++)
+    for (int m = 0; m < rows; m++)
         for (int b = 0; b < nb; b++) _mm512_storeu_ps(s + m * stride + b * 16, acc[m][b]);
 }
 
-/* Scores of the block's rows [m, m + 4) against keys [0, 16 * blocks). */
+/* Scores of the block's rows [m, m + rows) against keys [0, 16 * blocks); rows is
+ * GROUP_ROWS or 4 (the group's last). */
 static void group_scores_vec(const prefill_args *a, const uint32_t *keys, block_work *w, int m,
-                             int64_t blocks, int64_t stride) {
+                             int rows, int64_t blocks, int64_t stride) {
     const int pairs = a->dim / 2;
     const int64_t block_words = (int64_t)(a->dim / 32) * TILE_WORDS; /* one block of 16 keys */
     const uint32_t *q = (const uint32_t *)w->qbuf + m * pairs;
+    float *s = w->scores + m * stride;
     int64_t b = 0;
+    if (rows == GROUP_ROWS) {
+        for (; b + 4 <= blocks; b += 4)
+            scores_rows(q, pairs, keys + b * block_words, block_words, s + b * 16, stride,
+                        GROUP_ROWS, 4);
+        for (; b < blocks; b++)
+            scores_rows(q, pairs, keys + b * block_words, block_words, s + b * 16, stride,
+                        GROUP_ROWS, 1);
+        return;
+    }
     for (; b + 4 <= blocks; b += 4)
-        scores_4rows(q, pairs, keys + b * block_words, block_words,
-                     w->scores + m * stride + b * 16, stride, 4);
+        scores_rows(q, pairs, keys + b * block_words, block_words, s + b * 16, stride, 4, 4);
     for (; b < blocks; b++)
-        scores_4rows(q, pairs, keys + b * block_words, block_words,
-                     w->scores + m * stride + b * 16, stride, 1);
+        scores_rows(q, pairs, keys + b * block_words, block_words, s + b * 16, stride, 4, 1);
 }
 
-static inline __attribute__((always_inline)) void output_4rows(
+static inline __attribute__((always_inline)) void output_rows(
     const uint32_t *p, int64_t p_stride, const uint32_t *values, int dim_blocks, int64_t pairs,
-    float *o, int dim, const int nd) {
-    __m512 acc[4][4];
-    for (int m = 0; m < 4; m++)
+    float *o, int dim, const int rows, const int nd) {
+    __m512 acc[GROUP_ROWS][4];
+    for (int m = 0; m < rows; m++)
         for (int d = 0; d < nd; d++) acc[m][d] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; j++) {
         const uint32_t *row = values + ((j >> 4) * dim_blocks) * TILE_WORDS + (j & 15) * 16;
         __m512bh v[4];
         for (int d = 0; d < nd; d++) v[d] = (__m512bh)_mm512_loadu_si512(row + d * TILE_WORDS);
-        for (int m = 0; m < 4; m++) {
+        for (int m = 0; m < rows; m++) {
             const __m512bh pm = (__m512bh)_mm512_set1_epi32((int)p[m * p_stride + j]);
             for (int d = 0; d < nd; d++) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], pm, v[d]);
         }
     }
-    for (int m = 0; m < 4; m++)
+    for (int m = 0; m < rows; m++)
         for (int d = 0; d < nd; d++) _mm512_storeu_ps(o + m * dim + d * 16, acc[m][d]);
 }
 
-/* O = P x V for the block's rows [m, m + 4), over key pairs [0, 16 * pair_blocks). */
+/* O = P x V for the block's rows [m, m + rows), over key pairs [0, 16 * pair_blocks). */
 static void group_output_vec(const prefill_args *a, const uint32_t *values, block_work *w,
-                             int m, int64_t pair_blocks, int64_t stride) {
+                             int m, int rows, int64_t pair_blocks, int64_t stride) {
     const int dim_blocks = a->dim / 16; /* even: dim is a multiple of 32 */
     const uint32_t *p = (const uint32_t *)w->probs + m * stride / 2;
-    int db = 0;
-    for (; db + 4 <= dim_blocks; db += 4)
-        output_4rows(p, stride / 2, values + db * TILE_WORDS, dim_blocks, pair_blocks * 16,
-                     w->obuf + m * a->dim + db * 16, a->dim, 4);
-    for (; db < dim_blocks; db += 2)
-        output_4rows(p, stride / 2, values + db * TILE_WORDS, dim_blocks, pair_blocks * 16,
-                     w->obuf + m * a->dim + db * 16, a->dim, 2);
+    float *o = w->obuf + m * a->dim;
+    for (int db = 0; db < dim_blocks;) {
+        const uint32_t *v = values + db * TILE_WORDS;
+        if (db + 4 <= dim_blocks) {
+            if (rows == GROUP_ROWS)
+                output_rows(p, stride / 2, v, dim_blocks, pair_blocks * 16, o + db * 16, a->dim,
+                            GROUP_ROWS, 4);
+            else
+                output_rows(p, stride / 2, v, dim_blocks, pair_blocks * 16, o + db * 16, a->dim,
+                            4, 4);
+            db += 4;
+        } else {
+            if (rows == GROUP_ROWS)
+                output_rows(p, stride / 2, v, dim_blocks, pair_blocks * 16, o + db * 16, a->dim,
+                            GROUP_ROWS, 2);
+            else
+                output_rows(p, stride / 2, v, dim_blocks, pair_blocks * 16, o + db * 16, a->dim,
+                            4, 2);
+            db += 2;
+        }
+    }
 }
 
 /* Row m's softmax over its keys [0, limit) into bf16 probabilities (zero up to `padded`);
@@ -377,15 +404,17 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t firs
         block_output_amx2(a, values, w, pair_blocks, stride);
     } else
 #endif
-    /* Four rows at a time from scores to output, their scores and probabilities still in L1
-     * (16 rows' spilled to L2), each group over the keys its own rows see. */
-    for (int m = 0; m < rows; m += 4) {
-        int64_t seen = a->causal ? first + (m + 4 < rows ? m + 4 : rows) + offset : a->num_keys;
+    /* A group of rows at a time from scores to output (6, 6 and 4 of the 16), their scores
+     * and probabilities still in L1, each group over the keys its own rows see. */
+    for (int m = 0; m < rows;) {
+        const int n = 16 - m >= GROUP_ROWS ? GROUP_ROWS : 4; /* rows computed (zeros past) */
+        int64_t seen = a->causal ? first + (m + n < rows ? m + n : rows) + offset : a->num_keys;
         if (seen > end) seen = end;
         const int64_t group_pairs = (seen + 31) / 32;
-        group_scores_vec(a, keys, w, m, (seen + 15) / 16, stride);
-        softmax_rows(a, w, first, m, m + 4, rows, seen, group_pairs * 32, stride);
-        group_output_vec(a, values, w, m, group_pairs, stride);
+        group_scores_vec(a, keys, w, m, n, (seen + 15) / 16, stride);
+        softmax_rows(a, w, first, m, m + n, rows, seen, group_pairs * 32, stride);
+        group_output_vec(a, values, w, m, n, group_pairs, stride);
+        m += n;
     }
     for (int m = 0; m < rows; m++) {
         const int64_t row = (seq * a->num_query + first + m) * a->num_heads + h;
