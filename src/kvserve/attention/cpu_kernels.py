@@ -53,7 +53,8 @@ _SOURCES = tuple(
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.
 _HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("vec_exp.h", "amx_tiles.h", "entry_points.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("vec_exp.h", "amx_tiles.h", "entry_points.h", "block_runs.h")
 )
 _FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include "amx_tiles.h"
+#include "block_runs.h"
 #include "vec_exp.h"
 
 /* Measured at 16-64 rows: 4 k-steps ahead (8 KB) gained up to 8% at 32 rows; 8 or more lost. */
@@ -41,13 +42,6 @@
  * the whole 2,048 rows of a prefill step at once, the rows were re-read from memory for every
  * column block: 16.5 against 14.3 ms for a layer's qkv, o and down projections. */
 #define ROW_CHUNK 256
-
-static inline float bf16_value(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* Columns [32 nb, 32 nb + 32) of rows [r0, r0 + 16 * row_tiles) (row_tiles 1 or 2).
  * fetch, when not NULL: `fetch_lines` cache lines from there are asked into L2, spread over the
@@ -108,40 +102,16 @@ static inline const char *next_block_slice(const uint16_t *next, int64_t k, int6
     return *lines ? (const char *)next + first * 64 : NULL;
 }
 
-/* The column blocks of one call, a contiguous run per thread that its owner walks from the
- * front (so that it knows its next block, to prefetch) and that a thread done with its own run
- * takes from the back of.  Static halves left one core waiting for the other: the two cores'
- * AMX units do not run at the same speed on a shared host (two threads of equal tile work
- * measured 2.1 and 2.6 s, one waiting 11-12% of the time; the main thread sat in libgomp for
- * 46% of the native decode layers' time).  Stealing changes who computes a block, never how:
- * the outputs are the same bits.  Both ends in one word, moved by compare-and-swap. */
-typedef struct {
-    _Alignas(64) uint64_t ends; /* front in the low 32 bits, back (exclusive) in the high */
-} block_run;
-
+/* The column blocks of one call are shared as runs (block_runs.h).  Static halves left one
+ * core waiting for the other: the two cores' AMX units do not run at the same speed on a
+ * shared host (two threads of equal tile work measured 2.1 and 2.6 s, one waiting 11-12% of
+ * the time; the main thread sat in libgomp for 46% of the native decode layers' time). */
 int linear_amx_stealing = 1; /* benchmarks compare static halves (0) with stealing (1) */
 
 int linear_amx_set_stealing(int on) {
     const int was = linear_amx_stealing;
     linear_amx_stealing = on != 0;
     return was;
-}
-
-static inline void run_init(block_run *run, int64_t begin, int64_t end) {
-    __atomic_store_n(&run->ends, (uint64_t)end << 32 | (uint64_t)begin, __ATOMIC_RELAXED);
-}
-
-/* The next block from the front (owner) or the back (thief), or -1 when the run is empty. */
-static inline int64_t run_take(block_run *run, int from_back) {
-    uint64_t ends = __atomic_load_n(&run->ends, __ATOMIC_RELAXED);
-    for (;;) {
-        const uint64_t front = ends & 0xffffffffu, back = ends >> 32;
-        if (front >= back) return -1;
-        const uint64_t taken = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
-        if (__atomic_compare_exchange_n(&run->ends, &ends, taken, 1, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_RELAXED))
-            return (int64_t)(from_back ? back - 1 : front);
-    }
 }
 
 /* The block this thread computes next: its own run's front, else (stealing on) the back of
@@ -159,13 +129,6 @@ static inline int64_t next_block(block_run *runs, int t, int threads, int64_t *n
     for (int i = 1; i < threads; i++)
         if ((nb = run_take(&runs[(t + i) % threads], 1)) >= 0) return nb;
     return -1;
-}
-
-/* Every thread's run: thread t's contiguous share of `count` blocks, then a barrier. */
-static inline void runs_init(block_run *runs, int64_t count) {
-    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-    run_init(&runs[t], count * t / threads, count * (t + 1) / threads);
-    #pragma omp barrier
 }
 
 /* linear_bf16_amx on at most ROW_CHUNK rows. */

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "block_runs.h"
 #include "vec_exp.h"
 
 #define BLOCK_COLS 64
@@ -42,12 +43,6 @@
  * the embedded model, 384 KB) and the block being multiplied (up to 192 KB) stay in L2. */
 #define ROW_CHUNK 128
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* acc[r][0..3] = sum over k of x[r][k] x block[k][0..63] for `rows` (<= TILE_ROWS) rows. */
 #define DEFINE_TILE(R)                                                                         \
@@ -77,37 +72,11 @@ typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, fl
 static const tile_fn TILE_BY_ROWS[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3,
                                                     tile_4, tile_5, tile_6};
 
-/* Column blocks shared out as contiguous runs, one per thread, walked from the front by the
- * owner and from the back by a thread done with its own (linear_amx.c's scheme, without its
- * prefetching: here a block is read from L2 by every row tile). */
-typedef struct {
-    _Alignas(64) uint64_t ends; /* front in the low 32 bits, back (exclusive) in the high */
-} block_run;
-
-static inline int64_t run_take(block_run *run, int from_back) {
-    uint64_t ends = __atomic_load_n(&run->ends, __ATOMIC_RELAXED);
-    for (;;) {
-        const uint64_t front = ends & 0xffffffffu, back = ends >> 32;
-        if (front >= back) return -1;
-        const uint64_t taken = from_back ? (back - 1) << 32 | front : back << 32 | (front + 1);
-        if (__atomic_compare_exchange_n(&run->ends, &ends, taken, 1, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_RELAXED))
-            return (int64_t)(from_back ? back - 1 : front);
-    }
-}
-
+/* The next item for thread t: its own run's front, else the back of another's. */
 static inline int64_t take_block(block_run *runs, int t, int threads) {
     int64_t nb = run_take(&runs[t], 0);
     for (int i = 1; nb < 0 && i < threads; i++) nb = run_take(&runs[(t + i) % threads], 1);
     return nb;
-}
-
-static inline void runs_init(block_run *runs, int64_t count) {
-    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-    __atomic_store_n(&runs[t].ends,
-                     (uint64_t)(count * (t + 1) / threads) << 32 | (uint64_t)(count * t / threads),
-                     __ATOMIC_RELAXED);
-    #pragma omp barrier
 }
 
 /* acc [m, 64] float32 = rows x block, in tiles of at most TILE_ROWS rows, as even as they
@@ -158,7 +127,7 @@ int linear_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weig
             const int cols = n - col0 < BLOCK_COLS ? (int)(n - col0) : BLOCK_COLS;
             float b[64] = {0};
             if (bias)
-                for (int c = 0; c < cols; c++) b[c] = bf16_to_f32(bias[col0 + c]);
+                for (int c = 0; c < cols; c++) b[c] = bf16_value(bias[col0 + c]);
             block_product(x + r0 * x_stride, x_stride, weight + nb * block_elems, k, rows, acc);
             for (int64_t r = 0; r < rows; r++)
                 for (int c = 0; c < cols; c += 32) {
