@@ -44,7 +44,9 @@ LAYERS = 30
 
 def build(source_dir: Path, output: Path) -> ctypes.CDLL:
     """The kernel library from the sources in source_dir, with the engine's own flags."""
-    sources = [str(source_dir / path.name) for path in cpu_kernels._SOURCES]
+    sources = [
+        str(source_dir / p.name) for p in cpu_kernels._SOURCES if (source_dir / p.name).exists()
+    ]
     compiler = shutil.which("gcc") or "cc"
     command = [compiler, *cpu_kernels._FLAGS, f"-I{source_dir}", *sources, "-o", str(output)]
     result = subprocess.run([*command, "-lm"], capture_output=True, text=True)
@@ -54,14 +56,16 @@ def build(source_dir: Path, output: Path) -> ctypes.CDLL:
 
 
 def base_library(revision: str, workdir: Path) -> ctypes.CDLL:
-    """The kernel library as `revision` had it (every file of csrc at that revision)."""
+    """The kernel library as `revision` had it (every file of csrc at that revision; files
+    added since, such as a new kernel or header, are left out of its build)."""
     source_dir = workdir / "base"
     source_dir.mkdir()
     for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
         relative = path.relative_to(REPO).as_posix()
-        text = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
-                              capture_output=True, check=True).stdout  # fmt: skip
-        (source_dir / path.name).write_bytes(text)
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
+                               capture_output=True)  # fmt: skip
+        if shown.returncode == 0:
+            (source_dir / path.name).write_bytes(shown.stdout)
     return build(source_dir, workdir / "base.so")
 
 

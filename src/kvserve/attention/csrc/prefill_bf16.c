@@ -279,30 +279,28 @@ static inline __attribute__((always_inline)) void output_rows(
         for (int d = 0; d < nd; d++) _mm512_storeu_ps(o + m * dim + d * 16, acc[m][d]);
 }
 
-/* output_rows with its row and vector counts as constants (so that its loops unroll). */
-static void output_group(const uint32_t *p, int64_t p_stride, const uint32_t *v, int dim_blocks,
-                         int64_t pairs, float *o, int dim, int rows, int nd) {
-    if (rows == GROUP_ROWS && nd == 4)
-        output_rows(p, p_stride, v, dim_blocks, pairs, o, dim, GROUP_ROWS, 4);
-    else if (rows == GROUP_ROWS)
-        output_rows(p, p_stride, v, dim_blocks, pairs, o, dim, GROUP_ROWS, 2);
-    else if (nd == 4)
-        output_rows(p, p_stride, v, dim_blocks, pairs, o, dim, 4, 4);
-    else
-        output_rows(p, p_stride, v, dim_blocks, pairs, o, dim, 4, 2);
-}
-
-/* O = P x V for the block's rows [m, m + rows), over key pairs [0, 16 * pair_blocks). */
+/* O = P x V for the block's rows [m, m + rows), over key pairs [0, 16 * pair_blocks); each
+ * call of output_rows with its row and vector counts as constants (so that its loops unroll). */
 static void group_output_vec(const prefill_args *a, const uint32_t *values, block_work *w,
                              int m, int rows, int64_t pair_blocks, int64_t stride) {
     const int dim_blocks = a->dim / 16; /* even: dim is a multiple of 32 */
     const uint32_t *p = (const uint32_t *)w->probs + m * stride / 2;
+    float *o = w->obuf + m * a->dim;
+#define OUTPUT_ROWS(R, ND)                                                                     \
+    output_rows(p, stride / 2, values + db * TILE_WORDS, dim_blocks, pair_blocks * 16,        \
+                o + db * 16, a->dim, R, ND)
     for (int db = 0; db < dim_blocks;) {
-        const int nd = db + 4 <= dim_blocks ? 4 : 2;
-        output_group(p, stride / 2, values + db * TILE_WORDS, dim_blocks, pair_blocks * 16,
-                     w->obuf + m * a->dim + db * 16, a->dim, rows, nd);
-        db += nd;
+        if (db + 4 <= dim_blocks) {
+            if (rows == GROUP_ROWS) OUTPUT_ROWS(GROUP_ROWS, 4);
+            else OUTPUT_ROWS(4, 4);
+            db += 4;
+        } else {
+            if (rows == GROUP_ROWS) OUTPUT_ROWS(GROUP_ROWS, 2);
+            else OUTPUT_ROWS(4, 2);
+            db += 2;
+        }
     }
+#undef OUTPUT_ROWS
 }
 
 /* Row m's softmax over its keys [0, limit) into bf16 probabilities (zero up to `padded`);
