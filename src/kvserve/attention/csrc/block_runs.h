@@ -39,6 +39,13 @@ static inline int64_t run_take(block_run *run, int from_back) {
     }
 }
 
+/* An item from the back of the first run after thread t's with items left, or -1. */
+static inline int64_t run_steal(block_run *runs, int t, int threads) {
+    int64_t nb = -1;
+    for (int i = 1; nb < 0 && i < threads; i++) nb = run_take(&runs[(t + i) % threads], 1);
+    return nb;
+}
+
 /* Every thread's run: thread t's contiguous share of `count` items, then a barrier (inside
  * the parallel region). */
 static inline void runs_init(block_run *runs, int64_t count) {

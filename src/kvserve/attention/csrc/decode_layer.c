@@ -122,8 +122,8 @@ static int project_qkv(const decode_layer *l, const uint16_t *normed, int64_t mp
                        uint16_t *qkv, int threads) {
     const int dim = l->head_dim, hq = l->num_heads, hkv = l->num_kv_heads;
     const int64_t width = (int64_t)(hq + 2 * hkv) * dim;
-    if (linear_bf16_packed(normed, l->hidden, l->qkv, l->qkv_bias, qkv, width, mp, width, l->hidden,
-                        threads))
+    if (linear_bf16_packed(normed, l->hidden, l->qkv, l->qkv_bias, qkv, width, mp, width,
+                           l->hidden, threads))
         return 1;
     #pragma omp parallel for num_threads(threads)
     for (int64_t r = 0; r < mp; r++) {
@@ -161,10 +161,10 @@ static int mlp_block(const decode_layer *l, const decode_layer *next, uint16_t *
     #pragma omp parallel for num_threads(threads)
     for (int64_t r = 0; r < mp; r++)
         rms_norm_row(hidden + r * h, o + r * h, NULL, NULL, l->post_norm, normed + r * h, h, l->eps);
-    if (silu_gate_up_bf16_packed(normed, h, l->gate_up, act, l->intermediate, mp, l->intermediate, h,
-                              threads)
-        || linear_bf16_packed(act, l->intermediate, l->down, NULL, down, h, mp, h, l->intermediate,
-                           threads))
+    if (silu_gate_up_bf16_packed(normed, h, l->gate_up, act, l->intermediate, mp,
+                                 l->intermediate, h, threads)
+        || linear_bf16_packed(act, l->intermediate, l->down, NULL, down, h, mp, h,
+                              l->intermediate, threads))
         return 1;
     #pragma omp parallel for num_threads(threads)
     for (int64_t r = 0; r < mp; r++) {

@@ -125,13 +125,10 @@ static inline int64_t next_block(block_run *runs, int t, int threads, int64_t *n
         return nb;
     }
     *next = -1;
-    if (!linear_amx_stealing) return -1;
-    for (int i = 1; i < threads; i++)
-        if ((nb = run_take(&runs[(t + i) % threads], 1)) >= 0) return nb;
-    return -1;
+    return linear_amx_stealing ? run_steal(runs, t, threads) : -1;
 }
 
-/* linear_bf16_amx on at most ROW_CHUNK rows. */
+/* linear_bf16_packed on at most ROW_CHUNK rows. */
 static void linear_rows(const uint16_t *x, int64_t x_stride, const uint16_t *weight,
                         const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t m,
                         int64_t n, int64_t k, int num_threads) {

@@ -76,9 +76,8 @@ static const tile_fn TILE_BY_ROWS[TILE_ROWS + 1] = {0, tile_1, tile_2, tile_3,
 
 /* The next item for thread t: its own run's front, else the back of another's. */
 static inline int64_t take_block(block_run *runs, int t, int threads) {
-    int64_t nb = run_take(&runs[t], 0);
-    for (int i = 1; nb < 0 && i < threads; i++) nb = run_take(&runs[(t + i) % threads], 1);
-    return nb;
+    const int64_t nb = run_take(&runs[t], 0);
+    return nb >= 0 ? nb : run_steal(runs, t, threads);
 }
 
 /* acc [m, 64] float32 = rows x block, in tiles of at most TILE_ROWS rows, as even as they
@@ -135,7 +134,8 @@ int linear_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t *weig
                 for (int c = 0; c < cols; c += 32) {
                     const int left = cols - c;
                     const __mmask32 live = left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
-                    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 64 + c), _mm512_loadu_ps(b + c));
+                    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * 64 + c),
+                                                    _mm512_loadu_ps(b + c));
                     const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * 64 + c + 16),
                                                     _mm512_loadu_ps(b + c + 16));
                     _mm512_mask_storeu_epi16(out + (r0 + r) * out_stride + col0 + c, live,

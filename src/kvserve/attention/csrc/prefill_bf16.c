@@ -216,8 +216,9 @@ static void block_output_amx2(const prefill_args *a, const uint32_t *values, blo
 
 /* The same two products with vdpbf16ps, for CPUs without AMX.  A vector is one tile row:
  * 16 keys' dimension pair (Q x K^T), or 16 dimensions' key pair (P x V); the other operand's
- * pair is broadcast.  Four query rows by four vectors of accumulators (16 registers) hide the
- * instruction's latency and read each loaded vector four times. */
+ * pair is broadcast.  GROUP_ROWS (six) query rows by four vectors of accumulators (24
+ * registers; four rows for a 16-row item's last group) hide the instruction's latency and read
+ * each loaded vector six times. */
 static inline __attribute__((always_inline)) void scores_rows(
     const uint32_t *q, int pairs, const uint32_t *keys, int64_t block_words, float *s,
     int64_t stride, const int rows, const int nb) {
