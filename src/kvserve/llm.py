@@ -6,6 +6,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvserve.config import ENGINE_PARTS, EngineConfig, LoadConfig
+from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.request import SamplingParams
 from kvserve.step import RequestOutput
@@ -56,10 +57,11 @@ class LLM:
             self.engine.add_request(request_id, prompt, p)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        with heap_frozen():  # no collection walks the engine's own objects (gc_freeze.py)
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
         return [finished[i] for i in ids]
 
     def chat(

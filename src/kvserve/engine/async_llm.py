@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import SamplingParams
@@ -237,19 +238,8 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             platform.bind_compute_threads(self.engine.cpu_threads)  # this thread's own team
-            while not self._stopping:
-                if self._error is not None:
-                    raise self._error
-                self._run_commands()
-                if not self.engine.has_unfinished_requests():
-                    self.stats = self.engine.get_stats()
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    self._run_commands()
-                    if self.engine.has_unfinished_requests():
-                        self._gather_burst()
-                    continue
-                self._step()
+            with heap_frozen():  # no collection walks the engine's own objects (gc_freeze.py)
+                self._serve()
         except BaseException as exc:  # noqa: BLE001 - anything here ends the engine
             logger.exception("engine thread failed; no more requests can be served")
             self._error = exc
@@ -258,6 +248,22 @@ class AsyncLLM:
             self._close_engine()
         if self._error is not None and self.on_fatal is not None:
             self.on_fatal(self._error)
+
+    def _serve(self) -> None:
+        """Commands and steps until the server stops."""
+        while not self._stopping:
+            if self._error is not None:
+                raise self._error
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.get_stats()
+                self._wakeup.wait()
+                self._wakeup.clear()
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    self._gather_burst()
+                continue
+            self._step()
 
     def _gather_burst(self) -> None:
         """Run the commands that keep arriving, each within BURST_GAP_S of the last, for up to

