@@ -39,7 +39,7 @@ def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 96, 32), (6, 2, 32, 16), (2, 2, 64, 4),
-     (16, 2, 128, 16), (24, 3, 32, 32)],
+     (16, 2, 128, 16), (24, 3, 32, 32), (9, 3, 64, 64), (6, 2, 32, 128)],
 )  # fmt: skip
 def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_size):
     """The engine's bf16 case: queries that are bf16 values (widened to float32) over a bf16 or
@@ -48,7 +48,8 @@ def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_
     scales), p x V in float32 with the heads of a group sharing each converted V chunk.  It
     must equal the float32 reference as closely as the float32 path does.  Group sizes 1-8
     (several passes over V when the accumulators do not fit the registers), tails shorter than
-    16 rows and 1-token sequences included."""
+    16 rows and 1-token sequences included; blocks of 4 to 128 tokens (the kernel walks them in
+    spans of 16 rows)."""
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
     seq_lens = [1, 2, block_size, block_size + 1, 17, 3 * block_size - 1, 77, 130]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3

@@ -517,25 +517,46 @@ static inline void prefetch_part(const char *base, int64_t bytes, int part, int 
     for (; line < end; line++) __builtin_prefetch(base + line * 64, 0, 2);
 }
 
-/* What the pass over V prefetches for the sequence this thread attends next: its first
- * NEXT_SEQ_BLOCKS blocks of K and V, so that its first pass does not start on a miss. */
-#define NEXT_SEQ_BLOCKS 2
+/* What the pass over V prefetches for the sequence this thread attends next: the K and V of
+ * its first NEXT_SEQ_ROWS tokens (two blocks of 16; the head of one larger block), so that
+ * its first pass does not start on a miss.  Whole blocks of 64 or 128 tokens would be asked
+ * for under the current sequence's p x V and crowd out its own V. */
+#define NEXT_SEQ_ROWS 32
 typedef struct {
     const int64_t *table; /* NULL: no next sequence */
-    int64_t blocks;       /* min(its blocks, NEXT_SEQ_BLOCKS) */
+    int64_t blocks;       /* blocks holding its first min(seq_len, NEXT_SEQ_ROWS) tokens */
+    int64_t bytes;        /* bytes asked for in each of them */
 } next_sequence;
 
-/* Slice `part` of `parts` of the next sequence's first blocks (K and V alternating). */
+static inline next_sequence next_sequence_of(const int64_t *table, int64_t seq_len,
+                                             int block_size, int64_t row_bytes) {
+    const int64_t rows = seq_len < NEXT_SEQ_ROWS ? seq_len : NEXT_SEQ_ROWS;
+    const int64_t per_block = block_size < NEXT_SEQ_ROWS ? block_size : NEXT_SEQ_ROWS;
+    return (next_sequence){table, (rows + block_size - 1) / block_size, per_block * row_bytes};
+}
+
+/* Slice `part` of `parts` of the next sequence's first rows (K and V alternating by block). */
 static inline void prefetch_next_part(const void *key, const void *value, next_sequence next,
                                       int64_t block_bytes, int64_t part, int64_t parts) {
     if (!next.table) return;
-    int64_t lines_per = (block_bytes + 63) / 64, line, end;
+    int64_t lines_per = (next.bytes + 63) / 64, line, end;
     line_slice(2 * next.blocks * lines_per, part, parts, &line, &end);
     for (; line < end; line++) {
         int64_t which = line / lines_per;
         const char *base = (const char *)(which & 1 ? value : key) + next.table[which >> 1] * block_bytes;
         __builtin_prefetch(base + (line % lines_per) * 64, 0, 2);
     }
+}
+
+/* The span (16 rows, or a whole block of fewer) after the one at row `start` of block b of a
+ * sequence, in a cache of rows row_stride bytes apart: its address, or NULL past the end. */
+static inline const char *next_span(const void *cache, const int64_t *table, int64_t b, int start,
+                                    int64_t seq_len, int block_size, int64_t row_stride) {
+    const int span = block_size < 16 ? block_size : 16;
+    if (b * block_size + start + span >= seq_len) return NULL;
+    if (start + span < block_size)
+        return (const char *)cache + (table[b] * block_size + start + span) * row_stride;
+    return (const char *)cache + table[b + 1] * block_size * row_stride;
 }
 
 /* rows[o] = row o of a block for one KV head (offset bytes into each row). */
@@ -550,8 +571,13 @@ static inline void head_rows(const char *block, int count, int64_t row_stride, i
  * register accumulators (V scales folded into the weights).  Against an online softmax per
  * block this saves the per-block maxima, rescaling and exponentials' latency chains; the
  * scores (num_heads x seq_len floats) stay in L2.
- * Each pass asks for its own blocks one block ahead, in slices spread over its work: K during
- * the scores, V during p x V.  With both asked for during the scores (V for the second pass),
+ * Both passes walk the sequence in spans of 16 rows, all KV heads of a span before the next
+ * (a block of 64 or 128 tokens is read once, not once a head), and each asks for its own rows
+ * one span ahead, in slices spread over the span's work: K during the scores, V during p x V.
+ * Asked for a block ahead instead, larger blocks lost (W1's 128 x 320 tokens, a layer: 32-token
+ * blocks 1.55 -> 1.28 ms with spans, 64 and 128 tokens, which took the general path then,
+ * 4.2-4.5 -> 1.2-1.3 ms, 16 tokens the same bit for bit; /tmp/k16/bs2.py, twenty-first round).
+ * V is asked for under p x V, not under the scores: with both asked for during the scores,
  * the first pass streamed the whole 2 x 6 KiB a block at the core's limit of misses in flight
  * and p x V ran from L2 with the memory idle: on the AMD EPYC (no AMX) W1's 128 x 320 tokens
  * took 1.69 ms a layer against 1.48 with V fetched under p x V (alternating, six rounds each,
@@ -576,35 +602,37 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
             const float *src = q + (int64_t)head * dim + 32 * c;
             qbf[head][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         }
-    const void *rows[32];
+    const void *rows[16];
     const uint16_t *kbf[16]; /* bf16_scores16 fills the rows past a short span */
+    const int span_rows = block_size < 16 ? block_size : 16;
+    const int64_t span_bytes = span_rows * row_stride, num_spans = (seq_len + span_rows - 1) / span_rows;
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 1: scores */
         int count;
         const char *block = table_block(key, table, b, block_bytes, seq_len, block_size, &count);
-        const char *next_key = b + 1 < num_blocks ? (const char *)key + table[b + 1] * block_bytes : NULL;
-        for (int h = 0; h < num_kv_heads; h++) {
-            head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
-            for (int start = 0; start < count; start += 16) {
-                int n = count - start < 16 ? count - start : 16;
-                int64_t row0 = b * block_size + start;
+        for (int start = 0; start < count; start += 16) {
+            const int n = count - start < 16 ? count - start : 16;
+            const int64_t row0 = b * block_size + start;
+            const char *ahead = next_span(key, table, b, start, seq_len, block_size, row_stride);
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int h = 0; h < num_kv_heads; h++) {
+                head_rows(block + start * row_stride, n, row_stride, (int64_t)h * dim * elem, rows);
                 __m512 ks = _mm512_mul_ps(
                     span_scales(key_scale, table[b] * block_size + start, n, h, num_kv_heads),
                     _mm512_set1_ps(sm_scale));
                 if (kind == KV_BF16)
-                    for (int o = 0; o < n; o++) kbf[o] = (const uint16_t *)rows[start + o];
+                    for (int o = 0; o < n; o++) kbf[o] = (const uint16_t *)rows[o];
                 else
-                    rows_to_bf16(kind, rows + start, n, dim, kbuf, kbf);
-                __mmask16 live = (__mmask16)((1u << n) - 1u);
+                    rows_to_bf16(kind, rows, n, dim, kbuf, kbf);
                 for (int g = 0; g < group; g++) {
-                    if (start == 0 && next_key) /* the next block's K */
-                        prefetch_part(next_key, block_bytes, h * group + g, num_heads);
+                    if (ahead) /* the next span's K */
+                        prefetch_part(ahead, span_bytes, h * group + g, num_heads);
                     __m512 sc = _mm512_mul_ps(bf16_scores16(qbf[h * group + g], kbf, n, chunks), ks);
                     _mm512_mask_storeu_ps(scores + (int64_t)(h * group + g) * padded + row0, live, sc);
                 }
             }
         }
     }
-    prefetch_part((const char *)value + table[0] * block_bytes, block_bytes, 0, 1); /* pass 2's first */
+    prefetch_part((const char *)value + table[0] * block_bytes, span_bytes, 0, 1); /* pass 2's first */
     float inv_sum[num_heads], max_score[num_heads];
     for (int head = 0; head < num_heads; head++)
         inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len, &max_score[head]);
@@ -612,17 +640,16 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 2: p x V */
         int count;
         const char *block = table_block(value, table, b, block_bytes, seq_len, block_size, &count);
-        const char *next_value =
-            b + 1 < num_blocks ? (const char *)value + table[b + 1] * block_bytes : NULL;
-        for (int h = 0; h < num_kv_heads; h++) {
-            if (next_value) prefetch_part(next_value, block_bytes, h, num_kv_heads); /* next V */
-            prefetch_next_part(key, value, next, block_bytes, b * num_kv_heads + h,
-                               num_blocks * num_kv_heads);
-            head_rows(block, count, row_stride, (int64_t)h * dim * elem, rows);
-            for (int start = 0; start < count; start += 16) {
-                int n = count - start < 16 ? count - start : 16;
-                int64_t row0 = b * block_size + start;
-                __mmask16 live = (__mmask16)((1u << n) - 1u);
+        for (int start = 0; start < count; start += 16) {
+            const int n = count - start < 16 ? count - start : 16;
+            const int64_t row0 = b * block_size + start;
+            const char *ahead = next_span(value, table, b, start, seq_len, block_size, row_stride);
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int h = 0; h < num_kv_heads; h++) {
+                if (ahead) prefetch_part(ahead, span_bytes, h, num_kv_heads); /* next V */
+                prefetch_next_part(key, value, next, block_bytes, row0 / span_rows * num_kv_heads + h,
+                                   num_spans * num_kv_heads);
+                head_rows(block + start * row_stride, n, row_stride, (int64_t)h * dim * elem, rows);
                 __m512 vs = span_scales(value_scale, table[b] * block_size + start, n, h, num_kv_heads);
                 for (int g = 0; g < group; g++) {
                     const float *p = scores + (int64_t)(h * group + g) * padded + row0;
@@ -631,7 +658,7 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
                 for (int g0 = 0; g0 < group; g0 += gs_max) {
                     int gs = group - g0 < gs_max ? group - g0 : gs_max;
                     PV_BY_SHAPE[dim / 16][gs](out + (int64_t)(h * group + g0) * dim, dim,
-                                              w + 16 * g0, rows + start, n, kind);
+                                              w + 16 * g0, rows, n, kind);
                 }
             }
         }
@@ -1048,10 +1075,10 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
     size_t work_floats = general > fast_work ? general : fast_work;
 #if HAVE_BF16_DOT
     const int fast = (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
-                     && fast_dim(dim) && block_size <= 32;
+                     && fast_dim(dim);
 #endif
 #if DECODE_HAS_AMX
-    const int amx = fast && amx_shape(kind, num_heads, dim, block_size);
+    const int amx = fast && block_size <= 32 && amx_shape(kind, num_heads, dim, block_size);
     const size_t amx_floats = amx ? amx_work_floats(longest, num_kv_heads, dim) : 0;
     if (amx_floats > work_floats) work_floats = amx_floats;
 #endif
@@ -1093,12 +1120,10 @@ int paged_decode_attention(const void *query, void *out, void *key, void *value,
             if (new_key) store_new_rows(&rows, seq, key, value);
 #if HAVE_BF16_DOT
             if (fast && is_bf16_exact(q, num_heads * dim)) {
-                next_sequence next = {NULL, 0};
-                if (following < num_seqs) {
-                    int64_t blocks = (seq_lens[following] + block_size - 1) / block_size;
-                    next.table = block_tables + (int64_t)following * max_blocks;
-                    next.blocks = blocks < NEXT_SEQ_BLOCKS ? blocks : NEXT_SEQ_BLOCKS;
-                }
+                next_sequence next = {NULL, 0, 0};
+                if (following < num_seqs)
+                    next = next_sequence_of(block_tables + (int64_t)following * max_blocks,
+                                            seq_lens[following], block_size, rows.row_bytes);
 #if DECODE_HAS_AMX
                 if (amx)
                     attend_sequence_amx(q, o, key, value, key_scale, value_scale, kind,
