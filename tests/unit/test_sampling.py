@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.runner.sampling import SamplingBatch, _argmax, _argmax_kernel, _filtered_probs, sample
+from kvserve.runner import sampling
+from kvserve.runner.sampling import (
+    SamplingBatch,
+    _argmax,
+    _argmax_kernel,
+    _filtered_probs,
+    _inverse_cdf,
+    sample,
+)
 
 CPU = torch.device("cpu")
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
@@ -109,3 +117,61 @@ def test_greedy_rows_take_the_argmax_of_bf16_logits_as_float32_would():
     out = sample(logits, with_logprobs)
     assert out.token_ids.tolist() == logits.float().argmax(-1).tolist()
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
+
+
+def sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k then top-p by sorting each whole row (the filters' definitions), as probabilities."""
+    out = []
+    for row, k, p in zip(logits, top_k, top_p, strict=True):
+        values, order = row.sort(descending=True)
+        values = values.masked_fill(values < values[k - 1], float("-inf"))
+        if p < 1.0:
+            probs = values.softmax(dim=-1)
+            values = values.masked_fill(probs.cumsum(dim=-1) - probs >= p, float("-inf"))
+        out.append(torch.empty_like(row).scatter_(0, order, values).softmax(dim=-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("candidates", ["kernel", (256, 4096), (3,), ()])
+def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(monkeypatch, candidates):
+    """On a CPU, top-p's threshold comes from csrc/top_p_rows.c (selection on mass, no sort);
+    elsewhere the filters look among the largest logits (`topk`), widening the candidates
+    until they hold top_p of the mass: with candidates too few for some rows (3), or none (a
+    whole sort).  Either way the kept tokens are the ones a sort of each whole row keeps."""
+    if candidates == "kernel":
+        if sampling._top_p_kernel() is None:
+            pytest.skip("no C kernels here")
+    else:
+        monkeypatch.setattr(sampling, "_top_p_kernel", lambda: None)
+        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.tensor([0.5, 2, 4, 8, 1, 3, 6, 0.1])[:, None]
+    logits = torch.randn(8, 5000, generator=gen) * scales
+    top_k = [5000, 40, 5000, 7, 5000, 300, 5000, 5000]
+    top_p = [0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.01, 0.999]
+    params = [SamplingParams(temperature=1.0, top_k=k if k < 5000 else 0, top_p=p)
+              for k, p in zip(top_k, top_p, strict=True)]  # fmt: skip
+    b = SamplingBatch.build(params, [None] * 8, [], vocab_size=5000, device=CPU)
+    got = _filtered_probs(logits.clone(), b)
+    want = sorted_reference(logits, top_k, top_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_draws_never_fall_on_filtered_tokens_even_at_the_top_of_the_unit_interval():
+    """u x the row's mass lands in one token's interval of the cumulative sums; a token of
+    probability 0 (filtered, or the tail past the last kept one) has none, even for u just
+    below 1, where u x mass may round up to the mass itself."""
+    probs = torch.tensor([[0.0, 0.6, 0.4, 0.0, 0.0], [0.25, 0.0, 0.0, 0.75, 0.0]])
+    below_one = torch.nextafter(
+        torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+    )
+    cases = [
+        (0.0, [1, 0]),
+        (0.24, [1, 0]),
+        (0.59, [1, 3]),
+        (0.61, [2, 3]),
+        (float(below_one), [2, 3]),
+    ]
+    for u, want in cases:
+        assert _inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() == want

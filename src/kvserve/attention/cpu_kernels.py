@@ -44,6 +44,7 @@ _SOURCES = tuple(
         "kv_quantize.c",
         "omp_affinity.c",
         "argmax_rows.c",
+        "top_p_rows.c",
         "silu_mul.c",
         "prefill_bf16.c",
         "linear_amx.c",
@@ -242,6 +243,9 @@ def _open(path: Path) -> ctypes.CDLL:
     argmax = lib.argmax_rows
     argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
     argmax.restype = i32
+    top_p = lib.top_p_thresholds
+    top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, i32]
+    top_p.restype = i32
     silu_mul = lib.silu_mul_bf16
     silu_mul.argtypes = [ptr, ctypes.c_int64, ptr] + [ctypes.c_int64] * 3 + [i32]
     silu_mul.restype = i32
