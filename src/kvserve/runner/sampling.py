@@ -7,8 +7,8 @@ distribution and lets each seeded request draw from its own generator: a seeded 
 tokens do not depend on what else shares its batch.  One draw a row, not one a vocabulary
 entry: the exponential race (argmax of p / E, E ~ Exp(1)) drew 49,152 values a row, and on a
 CPU `exponential_` took 135 ms for 128 rows, more than the decode step it sampled for.  Top-k
-and top-p likewise find their thresholds among the largest logits (`topk`), not by sorting
-the vocabulary (277 ms at [128, 49,152]).
+finds its threshold with `topk` and top-p by selection on mass (csrc/top_p_rows.c on a CPU),
+not by sorting the vocabulary (277 ms at [128, 49,152]).
 """
 
 from __future__ import annotations
