@@ -605,7 +605,8 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
     const void *rows[16];
     const uint16_t *kbf[16]; /* bf16_scores16 fills the rows past a short span */
     const int span_rows = block_size < 16 ? block_size : 16;
-    const int64_t span_bytes = span_rows * row_stride, num_spans = (seq_len + span_rows - 1) / span_rows;
+    const int64_t span_bytes = span_rows * row_stride;
+    const int64_t num_spans = (seq_len + span_rows - 1) / span_rows;
     for (int64_t b = 0; b < num_blocks; b++) { /* pass 1: scores */
         int count;
         const char *block = table_block(key, table, b, block_bytes, seq_len, block_size, &count);
@@ -632,7 +633,8 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
             }
         }
     }
-    prefetch_part((const char *)value + table[0] * block_bytes, span_bytes, 0, 1); /* pass 2's first */
+    /* pass 2's first span */
+    prefetch_part((const char *)value + table[0] * block_bytes, span_bytes, 0, 1);
     float inv_sum[num_heads], max_score[num_heads];
     for (int head = 0; head < num_heads; head++)
         inv_sum[head] = softmax_in_place(scores + (int64_t)head * padded, seq_len, &max_score[head]);
@@ -647,8 +649,8 @@ static void attend_sequence_fast(const float *q, float *out, const void *key, co
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
             for (int h = 0; h < num_kv_heads; h++) {
                 if (ahead) prefetch_part(ahead, span_bytes, h, num_kv_heads); /* next V */
-                prefetch_next_part(key, value, next, block_bytes, row0 / span_rows * num_kv_heads + h,
-                                   num_spans * num_kv_heads);
+                prefetch_next_part(key, value, next, block_bytes,
+                                   row0 / span_rows * num_kv_heads + h, num_spans * num_kv_heads);
                 head_rows(block + start * row_stride, n, row_stride, (int64_t)h * dim * elem, rows);
                 __m512 vs = span_scales(value_scale, table[b] * block_size + start, n, h, num_kv_heads);
                 for (int g = 0; g < group; g++) {

@@ -35,7 +35,8 @@ static void weigh(const float *x, int64_t n, float pivot, int64_t *above, int64_
         const __mmask16 g = _mm512_mask_cmp_ps_mask(live, v, p, _CMP_GT_OQ);
         const __mmask16 e = _mm512_mask_cmp_ps_mask(live, v, p, _CMP_EQ_OQ);
         const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        const __m512d hi = _mm512_cvtps_pd(upper);
         sum_gt = _mm512_mask_add_pd(sum_gt, (__mmask8)g, sum_gt, lo);
         sum_gt = _mm512_mask_add_pd(sum_gt, (__mmask8)(g >> 8), sum_gt, hi);
         sum_eq = _mm512_mask_add_pd(sum_eq, (__mmask8)e, sum_eq, lo);
