@@ -110,12 +110,19 @@ def w3(args: argparse.Namespace) -> DatasetConfig:
                          output_len=32, seed=args.seed)  # fmt: skip
 
 
+def sampling(args: argparse.Namespace) -> dict[str, float]:
+    """The requests' sampling fields: greedy unless --temperature says otherwise."""
+    fields = {"temperature": args.temperature, "top_p": args.top_p}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def run_bench(server: Server, name: str, dataset: DatasetConfig, tokenizer: Any,
-              rate: float = float("inf")) -> dict:  # fmt: skip
+              rate: float = float("inf"),
+              sampled: dict[str, float] | None = None) -> dict:  # fmt: skip
     config = BenchConfig(
         base_url=server.base_url, model=EMBEDDED_NAME, ignore_eos=True, dataset=dataset,
         label=f"{server.name} {name}", request_rate=rate, disable_tqdm=True,
-        percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,99",
+        percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,99", **(sampled or {}),
     )  # fmt: skip
     doc = to_json(bench_serve(config, tokenizer=tokenizer))
     print(
@@ -132,11 +139,11 @@ def serve_and_bench(server: Server, args: argparse.Namespace, tokenizer: Any,
     """W1 and W3 (and W2 when its rate is known) against one server."""
     results = {}
     with server:
-        results["W1"] = run_bench(server, "W1", w1(args), tokenizer)
+        results["W1"] = run_bench(server, "W1", w1(args), tokenizer, sampled=sampling(args))
         if "w3" in args.workloads:
-            results["W3"] = run_bench(server, "W3", w3(args), tokenizer)
+            results["W3"] = run_bench(server, "W3", w3(args), tokenizer, sampled=sampling(args))
         if w2_rate is not None:
-            results["W2"] = run_bench(server, "W2", w2(args), tokenizer, w2_rate)
+            results["W2"] = run_bench(server, "W2", w2(args), tokenizer, w2_rate, sampling(args))
     return results
 
 
@@ -211,6 +218,9 @@ def main() -> int:
                         help="Compare the servers this many times, alternating which goes "
                              "first (the machine's speed drifts during a run), and report "
                              "each round and their geometric mean.")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="Every request's temperature (0, the default: greedy).")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=None, help="Every request's top-p.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
@@ -270,7 +280,7 @@ def other_server(args: argparse.Namespace) -> Server:
 
 def other_w2(args: argparse.Namespace, tokenizer: Any, rate: float) -> dict:
     with other_server(args) as again:
-        return run_bench(again, "W2", w2(args), tokenizer, rate)
+        return run_bench(again, "W2", w2(args), tokenizer, rate, sampling(args))
 
 
 def bound_measurements(report: dict[str, Any], name: str) -> list[float]:

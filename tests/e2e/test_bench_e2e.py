@@ -55,3 +55,19 @@ def test_bench_serve_against_kvserve(server: ServerProcess, tmp_path, capsys) ->
     assert max(s["kv_cache_usage"] for s in doc["timeline"]) > 0
     assert doc["memory"]["preemptions"] == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sampled_bench_run_completes_with_exact_token_counts(server: ServerProcess, tmp_path):
+    """With --temperature, --top-p and --top-k (sent in every body: test_bench_inputs), the
+    real server samples and every request streams its exact length."""
+    code = main([
+        "bench", "serve", "--base-url", server.base_url, "--dataset-name", "random",
+        "--num-prompts", "8", "--random-input-len", str(INPUT_LEN), "--random-output-len",
+        str(OUTPUT_LEN), "--ignore-eos", "--temperature", "0.8", "--top-p", "0.9", "--top-k",
+        "40", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "s.json",
+        "--disable-tqdm",
+    ])  # fmt: skip
+    assert code == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert (doc["completed"], doc["failed"]) == (8, 0)
+    assert doc["total_output_tokens"] == 8 * OUTPUT_LEN

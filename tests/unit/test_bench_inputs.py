@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvserve.bench.cli import add_bench_parser, config_from_args
+from kvserve.bench.client import RequestSpec, request_body
 from kvserve.bench.config import BenchConfig, DatasetConfig
 from kvserve.bench.datasets import SampleRequest, as_text, sample_requests
 from kvserve.bench.scrape import metrics_url, parse_metrics, to_sample, with_hit_rates
@@ -154,6 +155,26 @@ def test_flags_build_the_config() -> None:
     assert parse("--endpoint", "/x").api_url == "http://127.0.0.1:8000/x"
 
 
+def test_sampling_flags_reach_every_request_body() -> None:
+    """Greedy unless told; each flag given is sent, the others are left to the server."""
+    sample = SampleRequest(prompt=[1, 2, 3], prompt_len=3, output_len=5)
+
+    def body(*argv: str) -> dict:
+        config = parse(*argv)
+        spec = RequestSpec(
+            "http://h/v1/completions", "m", sampling=tuple(config.sampling().items())
+        )
+        return request_body(spec, sample)
+
+    greedy = body()
+    assert greedy["temperature"] == 0.0 and not {"top_p", "top_k", "min_p"} & greedy.keys()
+    sampled = body("--temperature", "0.8", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.05")
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"], sampled["min_p"]) == (
+        0.8, 0.95, 50, 0.05,
+    )  # fmt: skip
+    assert sampled["max_tokens"] == 5 and sampled["prompt"] == [1, 2, 3] and sampled["stream"]
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -165,6 +186,10 @@ def test_flags_build_the_config() -> None:
         (["--num-prompts", "0"], "--num-prompts"),
         (["--dataset-name", "sharegpt"], "--dataset-path"),
         (["--random-range-ratio", "1"], "--random-range-ratio"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-k", "0"], "--top-k"),
+        (["--min-p", "1.5"], "--min-p"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:

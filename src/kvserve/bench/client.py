@@ -33,14 +33,16 @@ class RequestSpec:
     backend: str = "openai"
     ignore_eos: bool = False
     api_key: str | None = None
+    sampling: tuple[tuple[str, float | int], ...] = (("temperature", 0.0),)
 
 
 def request_body(spec: RequestSpec, sample: SampleRequest) -> dict[str, Any]:
-    """Greedy, streamed, with usage: the JSON a request posts."""
+    """Streamed, with usage, greedy unless the spec's sampling says otherwise: the JSON a
+    request posts."""
     body: dict[str, Any] = {
         "model": spec.model,
         "max_tokens": sample.output_len,
-        "temperature": 0.0,
+        **dict(spec.sampling),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -92,6 +92,10 @@ class BenchConfig:
     )
     max_concurrency: int | None = _f(None, "Most requests in flight at once.")
     ignore_eos: bool = _f(False, "Ask the server to ignore EOS (exact output lengths).")
+    temperature: float = _f(0.0, "Sampling temperature of every request (0 = greedy).")
+    top_p: float | None = _f(None, "Top-p of every request (default: the server's, 1).")
+    top_k: int | None = _f(None, "Top-k of every request (default: the server's, off).")
+    min_p: float | None = _f(None, "Min-p of every request (default: the server's, 0).")
     percentile_metrics: str = _f(
         "ttft,tpot,itl", "Metrics whose percentiles are reported, from ttft,tpot,itl,e2el."
     )
@@ -120,9 +124,24 @@ class BenchConfig:
             raise ParameterError("--max-concurrency", "must be positive")
         if not self.scrape_interval > 0:
             raise ParameterError("--scrape-interval", "must be positive")
+        if not self.temperature >= 0:
+            raise ParameterError("--temperature", "must be >= 0 (0 = greedy)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ParameterError("--top-p", "must be in (0, 1]")
+        if self.top_k is not None and (self.top_k == 0 or self.top_k < -1):
+            raise ParameterError("--top-k", "must be positive, or -1 for off")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ParameterError("--min-p", "must be in [0, 1]")
+        self.sampling()
         self.selected_metrics()
         self.percentiles()
         self.slos_ms()
+
+    def sampling(self) -> dict[str, float | int]:
+        """The sampling fields every request carries: temperature always, the others when set."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "min_p": self.min_p}  # fmt: skip
+        return {name: value for name, value in fields.items() if value is not None}
 
     def selected_metrics(self) -> list[str]:
         names = [m.strip() for m in self.percentile_metrics.split(",") if m.strip()]

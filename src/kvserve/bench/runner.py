@@ -79,7 +79,8 @@ async def run_requests(
     count_tokens: Callable[[str], int] | None = None,
 ) -> tuple[list[RequestRecord], float, list[MetricsSample]]:
     """Send every sample on schedule; (records in sample order, duration, timeline)."""
-    spec = RequestSpec(config.api_url, model, config.backend, config.ignore_eos, api_key=_api_key())
+    spec = RequestSpec(config.api_url, model, config.backend, config.ignore_eos, api_key=_api_key(),
+                       sampling=tuple(config.sampling().items()))  # fmt: skip
     offsets = arrival_offsets(
         len(samples), config.request_rate, config.burstiness, config.dataset.seed
     )
