@@ -134,15 +134,15 @@ def sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float])
 
 @pytest.mark.parametrize("candidates", ["kernel", (256, 4096), (3,), ()])
 def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(monkeypatch, candidates):
-    """On a CPU, top-p's threshold comes from csrc/top_p_rows.c (selection on mass, no sort);
+    """On a CPU, top-p's threshold comes from csrc/sample_rows.c (selection on mass, no sort);
     elsewhere the filters look among the largest logits (`topk`), widening the candidates
     until they hold top_p of the mass: with candidates too few for some rows (3), or none (a
     whole sort).  Either way the kept tokens are the ones a sort of each whole row keeps."""
     if candidates == "kernel":
-        if sampling._top_p_kernel() is None:
+        if sampling._sample_kernels()[0] is None:
             pytest.skip("no C kernels here")
     else:
-        monkeypatch.setattr(sampling, "_top_p_kernel", lambda: None)
+        monkeypatch.setattr(sampling, "_sample_kernels", lambda: (None, None))
         monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(3)
     scales = torch.tensor([0.5, 2, 4, 8, 1, 3, 6, 0.1])[:, None]
@@ -175,3 +175,31 @@ def test_draws_never_fall_on_filtered_tokens_even_at_the_top_of_the_unit_interva
     ]
     for u, want in cases:
         assert _inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() == want
+
+
+def test_the_c_draw_equals_the_torch_draw_with_floors_applied():
+    """csrc/sample_rows.c's draw (probabilities below the row's floor counted as 0, walked in
+    chunks of 16) picks the token torch's float64 cumulative sums pick for the same uniform,
+    and never one below its row's floor."""
+    draw_kernel = sampling._sample_kernels()[1]
+    if draw_kernel is None:
+        pytest.skip("no C kernels here")
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 64, 1037  # a vocabulary that is not a multiple of 16
+    probs = (torch.randn(rows, vocab, generator=gen) * 2).softmax(dim=-1)
+    floor = torch.rand(rows, generator=gen) * probs.amax(dim=-1) * 0.5
+    floor[::4] = 0.0  # rows without a floor
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=gen)
+    uniforms[0], uniforms[1] = (
+        0.0,
+        float(
+            torch.nextafter(
+                torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+            )
+        ),
+    )
+    got = sampling._draw(probs, floor, uniforms)
+    want = _inverse_cdf(sampling._floored(probs, floor), uniforms)
+    assert torch.equal(got, want)
+    assert (probs[torch.arange(rows), got] >= floor).all()
+    assert torch.equal(sampling._draw(probs, None, uniforms), _inverse_cdf(probs, uniforms))

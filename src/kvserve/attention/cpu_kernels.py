@@ -44,7 +44,7 @@ _SOURCES = tuple(
         "kv_quantize.c",
         "omp_affinity.c",
         "argmax_rows.c",
-        "top_p_rows.c",
+        "sample_rows.c",
         "silu_mul.c",
         "prefill_bf16.c",
         "linear_amx.c",
@@ -246,6 +246,9 @@ def _open(path: Path) -> ctypes.CDLL:
     top_p = lib.top_p_thresholds
     top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, i32]
     top_p.restype = i32
+    draw = lib.draw_rows
+    draw.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
+    draw.restype = i32
     silu_mul = lib.silu_mul_bf16
     silu_mul.argtypes = [ptr, ctypes.c_int64, ptr] + [ctypes.c_int64] * 3 + [i32]
     silu_mul.restype = i32

@@ -7,8 +7,10 @@ distribution and lets each seeded request draw from its own generator: a seeded 
 tokens do not depend on what else shares its batch.  One draw a row, not one a vocabulary
 entry: the exponential race (argmax of p / E, E ~ Exp(1)) drew 49,152 values a row, and on a
 CPU `exponential_` took 135 ms for 128 rows, more than the decode step it sampled for.  Top-k
-finds its threshold with `topk` and top-p by selection on mass (csrc/top_p_rows.c on a CPU),
-not by sorting the vocabulary (277 ms at [128, 49,152]).
+finds its threshold with `topk`, top-p by selection on mass, not by sorting the vocabulary
+(277 ms at [128, 49,152]); top-p and min-p are floors on the probabilities that the draw
+applies as it walks a row.  On a CPU the selection and the draw are C passes over each row
+(csrc/sample_rows.c); elsewhere torch ops.
 """
 
 from __future__ import annotations
@@ -90,9 +92,9 @@ def sample(
     greedy_ids = _argmax(logits)
     if batch.all_greedy:
         return SamplerOutput(greedy_ids, logprobs)
-    probs = _filtered_probs(logits / batch.temperature[:, None], batch)
+    probs, floor = _probs_and_floor(logits / batch.temperature[:, None], batch)
     uniforms = _uniforms(probs.shape[0], probs.device, batch.generators, generator)
-    random_ids = _inverse_cdf(probs, uniforms)
+    random_ids = _draw(probs, floor, uniforms)
     return SamplerOutput(torch.where(batch.greedy, greedy_ids, random_ids), logprobs)
 
 
@@ -124,16 +126,32 @@ def _argmax_kernel() -> Callable[..., int] | None:
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Softmax after top-k, top-p and min-p filtering (each only when some row uses it)."""
+    probs, floor = _probs_and_floor(logits, batch)
+    return probs if floor is None else _floored(probs, floor)
+
+
+def _probs_and_floor(
+    logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The softmax after top-k, and the per-row floor below which top-p and min-p drop a
+    probability (None: neither applies).  Both are floors on the same probabilities: top-p's
+    nucleus is every token at least as likely as its last one, and min-p's test after top-p,
+    p / Z < max / Z x min_p with Z the nucleus's mass, is p < max x min_p.  The draw applies
+    the floor as it walks the row, so nothing is masked and renormalized first."""
     if batch.needs_top_k:
         logits = _top_k_filtered(logits, batch.top_k)
-    if batch.needs_top_p:
-        logits = _top_p_filtered(logits, batch.top_p)
     probs = logits.softmax(dim=-1)
+    floor = _top_p_floor(probs, batch.top_p) if batch.needs_top_p else None
     if batch.needs_min_p:
-        threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        min_p = probs.amax(dim=-1) * batch.min_p
+        floor = min_p if floor is None else torch.maximum(floor, min_p)
+    return probs, floor
+
+
+def _floored(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """probs with those below their row's floor set to 0, renormalized."""
+    kept = probs.masked_fill(probs < floor[:, None], 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _top_k_filtered(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -147,60 +165,60 @@ def _top_k_filtered(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-# How many of the largest logits top-p looks among, widening until they hold top_p of the
-# mass: a language model's nucleus is rarely wider than the first; [128, 49,152] float32 on
-# two cores, `topk` 256 took 13 ms, 4,096 44 ms, and a whole sort 277 ms.
+# How many of the most likely tokens top-p looks among off the CPU, widening until they hold
+# top_p of the mass: a language model's nucleus is rarely wider than the first; [128, 49,152]
+# float32 on two cores, `topk` 256 took 13 ms, 4,096 44 ms, and a whole sort 277 ms.
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def _top_p_filtered(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest set of most likely tokens whose mass reaches top_p kept per row (the most
-    likely always), the rest -inf; rows with top_p >= 1 left whole.  On a CPU each row's
-    threshold comes from csrc/top_p_rows.c (selection, no sort); elsewhere from `topk` over
-    widening candidates."""
-    kernel = _top_p_kernel() if logits.device.type == "cpu" else None
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's nucleus threshold: the probability of the least likely token of the
+    smallest set of most likely tokens whose mass reaches top_p (0 where top_p >= 1).  On a
+    CPU by selection in C (csrc/sample_rows.c, no sort); elsewhere by `topk` over widening
+    candidates."""
+    kernel = _sample_kernels()[0] if probs.device.type == "cpu" else None
     if kernel is not None:
-        probs = logits.float().softmax(dim=-1).contiguous()
+        probs = probs.contiguous()
         top_p = top_p.to(torch.float32).contiguous()
-        thresholds = torch.empty(probs.shape[0], dtype=torch.float32)
+        floor = torch.empty(probs.shape[0], dtype=torch.float32)
         failed = kernel(
             probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), top_p.data_ptr(),
-            thresholds.data_ptr(), torch.get_num_threads(),
+            floor.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if not failed:
-            return logits.masked_fill(probs < thresholds[:, None], float("-inf"))
+            return floor
+    floor = torch.zeros_like(top_p, dtype=probs.dtype)
     rows = (top_p < 1.0).nonzero().flatten()
-    subset, thresholds = logits[rows], top_p[rows]
-    vocab = logits.shape[1]
+    subset, thresholds = probs[rows], top_p[rows]
+    vocab = probs.shape[1]
     for candidates in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
-        kept = _nucleus(subset, thresholds, candidates)
-        if kept is not None:
+        least = _nucleus_floor(subset, thresholds, candidates)
+        if least is not None:
+            floor[rows] = least
             break
-    out = logits.clone()
-    out[rows] = kept
-    return out
+    return floor
 
 
 @functools.cache
-def _top_p_kernel() -> Callable[..., int] | None:
+def _sample_kernels() -> tuple[Callable[..., int] | None, Callable[..., int] | None]:
+    """csrc/sample_rows.c's top_p_thresholds and draw_rows, or Nones without the library."""
     from kvserve.attention.cpu_kernels import kernels_or_none
 
     kernels = kernels_or_none()
-    return None if kernels is None else kernels.top_p_thresholds
+    return (None, None) if kernels is None else (kernels.top_p_thresholds, kernels.draw_rows)
 
 
-def _nucleus(logits: torch.Tensor, top_p: torch.Tensor, candidates: int) -> torch.Tensor | None:
-    """`logits` with everything outside each row's nucleus -inf, the nucleus found among the
-    `candidates` largest; None when a row's candidates hold less than its top_p."""
-    probs = logits.softmax(dim=-1)
-    values, order = logits.topk(candidates, dim=-1)
-    top_probs = probs.gather(1, order)
+def _nucleus_floor(
+    probs: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> torch.Tensor | None:
+    """Each row's nucleus threshold found among its `candidates` most likely tokens; None when
+    a row's candidates hold less than its top_p."""
+    top_probs = probs.topk(candidates, dim=-1).values
     mass = top_probs.cumsum(dim=-1)
-    if candidates < logits.shape[1] and bool((mass[:, -1] < top_p).any()):
+    if candidates < probs.shape[1] and bool((mass[:, -1] < top_p).any()):
         return None
-    drop = mass - top_probs >= top_p[:, None]  # the mass before a token: the top one stays
-    out = torch.full_like(logits, float("-inf"))
-    return out.scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    dropped = mass - top_probs >= top_p[:, None]  # the mass before a token: the top one stays
+    return top_probs.masked_fill(dropped, float("inf")).amin(dim=-1)
 
 
 def _uniforms(
@@ -215,6 +233,24 @@ def _uniforms(
         if gen is not None:
             draws[row : row + 1].uniform_(generator=gen)
     return draws
+
+
+def _draw(probs: torch.Tensor, floor: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token at its uniform draw (`_inverse_cdf`), probabilities below the row's
+    floor counting as 0: on a CPU one pass over the row in C (csrc/sample_rows.c)."""
+    kernel = _sample_kernels()[1] if probs.device.type == "cpu" else None
+    if kernel is not None and probs.dtype == torch.float32:
+        probs = probs.contiguous()
+        floor = None if floor is None else floor.to(torch.float32).contiguous()
+        ids = torch.empty(probs.shape[0], dtype=torch.int64)
+        failed = kernel(
+            probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0),
+            None if floor is None else floor.data_ptr(), uniforms.contiguous().data_ptr(),
+            ids.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if not failed:
+            return ids
+    return _inverse_cdf(probs if floor is None else _floored(probs, floor), uniforms)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
