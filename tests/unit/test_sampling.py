@@ -119,6 +119,11 @@ def test_greedy_rows_take_the_argmax_of_bf16_logits_as_float32_would():
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
 
 
+def no_kernels() -> sampling.SampleKernels:
+    """_sample_kernels where the C library is missing (a GPU, or no compiler)."""
+    return sampling.SampleKernels(None, None, None)
+
+
 def sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Top-k then top-p by sorting each whole row (the filters' definitions), as probabilities."""
     out = []
@@ -139,10 +144,10 @@ def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(monkeypatch, candida
     until they hold top_p of the mass: with candidates too few for some rows (3), or none (a
     whole sort).  Either way the kept tokens are the ones a sort of each whole row keeps."""
     if candidates == "kernel":
-        if sampling._sample_kernels()[0] is None:
+        if sampling._sample_kernels().top_p is None:
             pytest.skip("no C kernels here")
     else:
-        monkeypatch.setattr(sampling, "_sample_kernels", lambda: (None, None))
+        monkeypatch.setattr(sampling, "_sample_kernels", no_kernels)
         monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(3)
     scales = torch.tensor([0.5, 2, 4, 8, 1, 3, 6, 0.1])[:, None]
@@ -181,7 +186,7 @@ def test_the_c_draw_equals_the_torch_draw_with_floors_applied():
     """csrc/sample_rows.c's draw (probabilities below the row's floor counted as 0, walked in
     chunks of 16) picks the token torch's float64 cumulative sums pick for the same uniform,
     and never one below its row's floor."""
-    draw_kernel = sampling._sample_kernels()[1]
+    draw_kernel = sampling._sample_kernels().draw
     if draw_kernel is None:
         pytest.skip("no C kernels here")
     gen = torch.Generator().manual_seed(11)
@@ -203,3 +208,49 @@ def test_the_c_draw_equals_the_torch_draw_with_floors_applied():
     assert torch.equal(got, want)
     assert (probs[torch.arange(rows), got] >= floor).all()
     assert torch.equal(sampling._draw(probs, None, uniforms), _inverse_cdf(probs, uniforms))
+
+
+@pytest.mark.parametrize("cols", [1, 5, 17, 1000, 49152])
+def test_the_c_top_k_floor_is_the_k_th_largest_probability_ties_kept(cols):
+    """csrc/sample_rows.c's top-k selection (quickselect on counts) against a sort of each
+    row: the floor is the k-th largest probability, and the kept mass is that of every token
+    at or above it, ties with the k-th included (bf16 logits tie often); rows with top_k at
+    or past the vocabulary keep everything (floor 0, mass 1), and a NaN row stays whole."""
+    kernel = sampling._sample_kernels().top_k
+    if kernel is None:
+        pytest.skip("no C kernels here")
+    gen = torch.Generator().manual_seed(cols)
+    rows = 12
+    logits = (torch.randn(rows, cols, generator=gen) * 3).bfloat16().float()
+    logits[1] = 0.5  # every token ties
+    probs = logits.softmax(dim=-1)
+    probs[2] = float("nan")
+    ks = [1, cols, cols + 7, max(cols - 1, 1), 2, 40, 1, 3, 50, 1000, 7, cols // 2 + 1]
+    top_k = torch.tensor(ks)
+    floor, kept = sampling._top_k_floor(probs, top_k)
+    for r in range(rows):
+        k = int(top_k[r])
+        if r == 2 or k >= cols:
+            assert (floor[r].item(), kept[r].item()) == (0.0, 1.0)
+            continue
+        kth = probs[r].sort(descending=True).values[k - 1]
+        assert floor[r].item() == kth.item()
+        want = probs[r][probs[r] >= kth].double().sum().item()
+        assert math.isclose(kept[r].item(), want, rel_tol=1e-6)
+    ties = probs[1] >= floor[1]
+    assert bool(ties.all()) or cols == 1  # the all-ties row keeps every token
+
+
+def test_top_k_on_the_cpu_and_in_torch_give_the_same_floors(monkeypatch):
+    """The C selection and the torch path (`topk`, for devices without the kernels) agree
+    on every row of a realistic batch, ties and all."""
+    if sampling._sample_kernels().top_k is None:
+        pytest.skip("no C kernels here")
+    gen = torch.Generator().manual_seed(5)
+    probs = ((torch.randn(32, 4096, generator=gen) * 4).bfloat16().float()).softmax(dim=-1)
+    top_k = torch.randint(1, 5000, (32,), generator=gen)
+    floor, kept = sampling._top_k_floor(probs, top_k)
+    monkeypatch.setattr(sampling, "_sample_kernels", no_kernels)
+    torch_floor, torch_kept = sampling._top_k_floor(probs, top_k)
+    assert torch.equal(floor, torch_floor)
+    torch.testing.assert_close(kept, torch_kept, rtol=1e-6, atol=0)

@@ -246,6 +246,9 @@ def _open(path: Path) -> ctypes.CDLL:
     top_p = lib.top_p_thresholds
     top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, i32]
     top_p.restype = i32
+    top_k = lib.top_k_floors
+    top_k.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
+    top_k.restype = i32
     draw = lib.draw_rows
     draw.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
     draw.restype = i32

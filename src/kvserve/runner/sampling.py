@@ -6,11 +6,11 @@ cumulative distribution at one uniform draw each, which is exact for the categor
 distribution and lets each seeded request draw from its own generator: a seeded request's
 tokens do not depend on what else shares its batch.  One draw a row, not one a vocabulary
 entry: the exponential race (argmax of p / E, E ~ Exp(1)) drew 49,152 values a row, and on a
-CPU `exponential_` took 135 ms for 128 rows, more than the decode step it sampled for.  Top-k
-finds its threshold with `topk`, top-p by selection on mass, not by sorting the vocabulary
-(277 ms at [128, 49,152]); top-p and min-p are floors on the probabilities that the draw
-applies as it walks a row.  On a CPU the selection and the draw are C passes over each row
-(csrc/sample_rows.c); elsewhere torch ops.
+CPU `exponential_` took 135 ms for 128 rows, more than the decode step it sampled for.  Top-k,
+top-p and min-p are floors on the softmax's probabilities, found by selection (on counts for
+top-k, on mass for top-p), not by sorting the vocabulary (277 ms at [128, 49,152]), and the
+draw applies them as it walks a row: nothing is masked and renormalized first.  On a CPU the
+selections and the draw are C passes over each row (csrc/sample_rows.c); elsewhere torch ops.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -133,19 +134,28 @@ def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _probs_and_floor(
     logits: torch.Tensor, batch: SamplingBatch
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The softmax after top-k, and the per-row floor below which top-p and min-p drop a
-    probability (None: neither applies).  Both are floors on the same probabilities: top-p's
-    nucleus is every token at least as likely as its last one, and min-p's test after top-p,
-    p / Z < max / Z x min_p with Z the nucleus's mass, is p < max x min_p.  The draw applies
-    the floor as it walks the row, so nothing is masked and renormalized first."""
-    if batch.needs_top_k:
-        logits = _top_k_filtered(logits, batch.top_k)
+    """The softmax, and the per-row floor below which top-k, top-p and min-p drop a
+    probability (None: none applies).  All three are floors on the same probabilities, as
+    vLLM applies them one after the other, each on what the one before kept renormalized:
+    - top-k keeps every token at least as likely as its k-th (softmax is monotonic);
+    - top-p's nucleus is every token at least as likely as its last one; over the top-k
+      tokens renormalized (mass Z), a nucleus of mass top_p is one of mass top_p x Z among the
+      whole row's probabilities, the same tokens;
+    - min-p's test after them, p / Z' < max / Z' x min_p, is p < max x min_p."""
     probs = logits.softmax(dim=-1)
-    floor = _top_p_floor(probs, batch.top_p) if batch.needs_top_p else None
+    floor, top_p = None, batch.top_p
+    if batch.needs_top_k:
+        floor, kept_mass = _top_k_floor(probs, batch.top_k)
+        top_p = torch.where(top_p < 1.0, top_p * kept_mass, top_p)
+    if batch.needs_top_p:
+        floor = _highest(floor, _top_p_floor(probs, top_p))
     if batch.needs_min_p:
-        min_p = probs.amax(dim=-1) * batch.min_p
-        floor = min_p if floor is None else torch.maximum(floor, min_p)
+        floor = _highest(floor, probs.amax(dim=-1) * batch.min_p)
     return probs, floor
+
+
+def _highest(floor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    return other if floor is None else torch.maximum(floor, other)
 
 
 def _floored(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
@@ -154,15 +164,29 @@ def _floored(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _top_k_filtered(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Logits below each row's k-th largest set to -inf (ties with it kept); rows whose top_k
-    is the vocabulary size are left whole.  `topk` to the largest k asked for, not a sort."""
-    vocab = logits.shape[1]
-    filtered = top_k < vocab
+def _top_k_floor(probs: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k-th largest probability (a floor: ties with it are kept) and the mass at or
+    above it; 0 and 1 for rows whose top_k is the vocabulary size.  On a CPU by selection in C
+    (csrc/sample_rows.c; `topk` and a masking of the logits took ~10 ms at [128, 49,152]);
+    elsewhere `topk` to the largest k asked for, not a sort."""
+    kernel = _sample_kernels().top_k if probs.device.type == "cpu" else None
+    if kernel is not None:
+        probs = probs.contiguous()
+        top_k = top_k.to(torch.int64).contiguous()
+        floor = torch.empty(probs.shape[0], dtype=torch.float32)
+        kept = torch.empty(probs.shape[0], dtype=torch.float32)
+        failed = kernel(
+            probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), top_k.data_ptr(),
+            floor.data_ptr(), kept.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if not failed:
+            return floor, kept
+    filtered = top_k < probs.shape[1]
     largest_k = int(top_k[filtered].max())
-    kth = logits.topk(largest_k, dim=-1).values.gather(1, (top_k.clamp(max=largest_k) - 1)[:, None])
-    kth = kth.masked_fill(~filtered[:, None], float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
+    kth = probs.topk(largest_k, dim=-1).values.gather(1, (top_k.clamp(max=largest_k) - 1)[:, None])
+    kth = kth.masked_fill(~filtered[:, None], 0.0)
+    kept = probs.masked_fill(probs < kth, 0.0).sum(dim=-1)
+    return kth.squeeze(1), torch.where(filtered, kept, torch.ones_like(kept))
 
 
 # How many of the most likely tokens top-p looks among off the CPU, widening until they hold
@@ -176,7 +200,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     smallest set of most likely tokens whose mass reaches top_p (0 where top_p >= 1).  On a
     CPU by selection in C (csrc/sample_rows.c, no sort); elsewhere by `topk` over widening
     candidates."""
-    kernel = _sample_kernels()[0] if probs.device.type == "cpu" else None
+    kernel = _sample_kernels().top_p if probs.device.type == "cpu" else None
     if kernel is not None:
         probs = probs.contiguous()
         top_p = top_p.to(torch.float32).contiguous()
@@ -199,13 +223,22 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return floor
 
 
+class SampleKernels(NamedTuple):
+    """csrc/sample_rows.c's entry points, each None without the kernel library."""
+
+    top_p: Callable[..., int] | None
+    draw: Callable[..., int] | None
+    top_k: Callable[..., int] | None
+
+
 @functools.cache
-def _sample_kernels() -> tuple[Callable[..., int] | None, Callable[..., int] | None]:
-    """csrc/sample_rows.c's top_p_thresholds and draw_rows, or Nones without the library."""
+def _sample_kernels() -> SampleKernels:
     from kvserve.attention.cpu_kernels import kernels_or_none
 
     kernels = kernels_or_none()
-    return (None, None) if kernels is None else (kernels.top_p_thresholds, kernels.draw_rows)
+    if kernels is None:
+        return SampleKernels(None, None, None)
+    return SampleKernels(kernels.top_p_thresholds, kernels.draw_rows, kernels.top_k_floors)
 
 
 def _nucleus_floor(
@@ -238,7 +271,7 @@ def _uniforms(
 def _draw(probs: torch.Tensor, floor: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
     """Each row's token at its uniform draw (`_inverse_cdf`), probabilities below the row's
     floor counting as 0: on a CPU one pass over the row in C (csrc/sample_rows.c)."""
-    kernel = _sample_kernels()[1] if probs.device.type == "cpu" else None
+    kernel = _sample_kernels().draw if probs.device.type == "cpu" else None
     if kernel is not None and probs.dtype == torch.float32:
         probs = probs.contiguous()
         floor = None if floor is None else floor.to(torch.float32).contiguous()
