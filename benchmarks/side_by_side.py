@@ -112,7 +112,7 @@ def w3(args: argparse.Namespace) -> DatasetConfig:
 
 def sampling(args: argparse.Namespace) -> dict[str, float]:
     """The requests' sampling fields: greedy unless --temperature says otherwise."""
-    fields = {"temperature": args.temperature, "top_p": args.top_p}
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     return {name: value for name, value in fields.items() if value is not None}
 
 
@@ -221,6 +221,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="Every request's temperature (0, the default: greedy).")  # fmt: skip
     parser.add_argument("--top-p", type=float, default=None, help="Every request's top-p.")
+    parser.add_argument("--top-k", type=int, default=None, help="Every request's top-k.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
