@@ -130,29 +130,52 @@ static float nucleus_threshold(float *x, int64_t n, double top_p, uint64_t *rng)
     return smallest_kept; /* the row's mass fell short of top_p (rounding): keep it all */
 }
 
-int top_p_thresholds(const float *probs, int64_t rows, int64_t cols, int64_t row_stride,
-                     const float *top_p, float *threshold, int num_threads) {
+/* The selections' rows, what each needs, and where its answers go. */
+typedef struct {
+    const float *probs;
+    int64_t cols, row_stride;
+    const float *top_p;   /* top_p_thresholds */
+    const int64_t *top_k; /* top_k_floors */
+    float *out, *kept;
+} selection;
+
+typedef void (*select_row)(const selection *s, int64_t r, float *scratch, uint64_t *rng);
+
+/* select(s, r, ...) for every row on the thread team: each thread with its own scratch row
+ * (room for gather_side's whole-vector stores past the end) and pivot generator; 2 when out
+ * of memory. */
+static int select_rows(const selection *s, int64_t rows, int num_threads, select_row select) {
     int failed = 0;
     #pragma omp parallel num_threads(rows >= 4 ? num_threads : 1)
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(cols + 16)); /* gather_side's */
+        float *scratch = malloc(sizeof(float) * (size_t)(s->cols + 16));
         uint64_t rng = 0x9E3779B97F4A7C15ULL;
         if (!scratch) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 4)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!scratch || !(top_p[r] < 1.0f)) {
-                threshold[r] = 0.0f;
-                continue;
-            }
-            memcpy(scratch, probs + r * row_stride, sizeof(float) * (size_t)cols);
-            threshold[r] = nucleus_threshold(scratch, cols, top_p[r], &rng);
-        }
+        for (int64_t r = 0; r < rows; r++)
+            if (scratch) select(s, r, scratch, &rng);
         free(scratch);
     }
     return failed ? 2 : 0;
+}
+
+static float *row_copy(const selection *s, int64_t r, float *scratch) {
+    return memcpy(scratch, s->probs + r * s->row_stride, sizeof(float) * (size_t)s->cols);
+}
+
+static void nucleus_row(const selection *s, int64_t r, float *scratch, uint64_t *rng) {
+    s->out[r] = s->top_p[r] < 1.0f
+                    ? nucleus_threshold(row_copy(s, r, scratch), s->cols, s->top_p[r], rng)
+                    : 0.0f;
+}
+
+int top_p_thresholds(const float *probs, int64_t rows, int64_t cols, int64_t row_stride,
+                     const float *top_p, float *threshold, int num_threads) {
+    const selection s = {probs, cols, row_stride, top_p, NULL, threshold, NULL};
+    return select_rows(&s, rows, num_threads, nucleus_row);
 }
 
 /* x[0:n)'s k-th largest value (1 <= k <= n), the mass of the values at or above it in *kept:
@@ -183,30 +206,18 @@ static float kth_largest(float *x, int64_t n, int64_t k, double *kept, uint64_t 
     return 0.0f;
 }
 
+static void top_k_row(const selection *s, int64_t r, float *scratch, uint64_t *rng) {
+    double mass = 1.0;
+    s->out[r] = 0.0f;
+    if (s->top_k[r] >= 1 && s->top_k[r] < s->cols)
+        s->out[r] = kth_largest(row_copy(s, r, scratch), s->cols, s->top_k[r], &mass, rng);
+    s->kept[r] = (float)mass;
+}
+
 int top_k_floors(const float *probs, int64_t rows, int64_t cols, int64_t row_stride,
                  const int64_t *top_k, float *floor, float *kept, int num_threads) {
-    int failed = 0;
-    #pragma omp parallel num_threads(rows >= 4 ? num_threads : 1)
-    {
-        float *scratch = malloc(sizeof(float) * (size_t)(cols + 16)); /* gather_side's */
-        uint64_t rng = 0x9E3779B97F4A7C15ULL;
-        if (!scratch) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic, 4)
-        for (int64_t r = 0; r < rows; r++) {
-            double mass = 1.0;
-            floor[r] = 0.0f;
-            if (scratch && top_k[r] >= 1 && top_k[r] < cols) {
-                memcpy(scratch, probs + r * row_stride, sizeof(float) * (size_t)cols);
-                floor[r] = kth_largest(scratch, cols, top_k[r], &mass, &rng);
-            }
-            kept[r] = (float)mass;
-        }
-        free(scratch);
-    }
-    return failed ? 2 : 0;
+    const selection s = {probs, cols, row_stride, NULL, top_k, floor, kept};
+    return select_rows(&s, rows, num_threads, top_k_row);
 }
 
 /* Sums of the row's chunks of 16 (double), values below floor counted as 0; returns the
