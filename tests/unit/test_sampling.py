@@ -254,3 +254,25 @@ def test_top_k_on_the_cpu_and_in_torch_give_the_same_floors(monkeypatch):
     torch_floor, torch_kept = sampling._top_k_floor(probs, top_k)
     assert torch.equal(floor, torch_floor)
     torch.testing.assert_close(kept, torch_kept, rtol=1e-6, atol=0)
+
+
+def test_top_p_within_the_top_k_floor_finds_the_whole_row_s_threshold():
+    """With the top-k floor given, the C top-p selection looks only at the tokens at or above
+    it (one pass instead of a copy of the row): the nucleus of mass top_p x (their mass) is
+    the same as over the whole row, ties with the floor included."""
+    kernels = sampling._sample_kernels()
+    if kernels.top_p is None:
+        pytest.skip("no C kernels here")
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(16, 3000, generator=gen) * 3).bfloat16().float()
+    logits[4, :100] = logits[4].max()  # a hundred tokens tied at the top
+    probs = logits.softmax(dim=-1)
+    top_k = torch.tensor([1, 2, 7, 40, 50, 100, 300, 2999, 5, 40, 3000, 9, 60, 200, 1000, 13])
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.8, 0.3, 0.99, 0.6, 0.9, 1.0, 0.0001, 0.9, 0.97,
+                          0.5, 0.85, 0.75, 0.999])  # fmt: skip
+    floor, kept = sampling._top_k_floor(probs, top_k)
+    target = torch.where(top_p < 1.0, top_p * kept, top_p)
+    within = sampling._top_p_floor(probs, target, within=floor)
+    whole = sampling._top_p_floor(probs, target)
+    assert torch.equal(within, whole)
+    assert (within >= floor)[top_p < 1.0].all()  # the nucleus lies within the top k

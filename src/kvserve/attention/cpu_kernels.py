@@ -244,7 +244,7 @@ def _open(path: Path) -> ctypes.CDLL:
     argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
     argmax.restype = i32
     top_p = lib.top_p_thresholds
-    top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, i32]
+    top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
     top_p.restype = i32
     top_k = lib.top_k_floors
     top_k.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]

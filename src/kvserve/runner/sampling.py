@@ -148,7 +148,7 @@ def _probs_and_floor(
         floor, kept_mass = _top_k_floor(probs, batch.top_k)
         top_p = torch.where(top_p < 1.0, top_p * kept_mass, top_p)
     if batch.needs_top_p:
-        floor = _highest(floor, _top_p_floor(probs, top_p))
+        floor = _highest(floor, _top_p_floor(probs, top_p, within=floor))
     if batch.needs_min_p:
         floor = _highest(floor, probs.amax(dim=-1) * batch.min_p)
     return probs, floor
@@ -195,19 +195,24 @@ def _top_k_floor(probs: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_floor(
+    probs: torch.Tensor, top_p: torch.Tensor, within: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row's nucleus threshold: the probability of the least likely token of the
     smallest set of most likely tokens whose mass reaches top_p (0 where top_p >= 1).  On a
-    CPU by selection in C (csrc/sample_rows.c, no sort); elsewhere by `topk` over widening
-    candidates."""
+    CPU by selection in C (csrc/sample_rows.c, no sort), among the probabilities at or above
+    `within` (the top-k floor, which holds the nucleus) where given; elsewhere by `topk` over
+    widening candidates."""
     kernel = _sample_kernels().top_p if probs.device.type == "cpu" else None
     if kernel is not None:
         probs = probs.contiguous()
         top_p = top_p.to(torch.float32).contiguous()
+        within = None if within is None else within.to(torch.float32).contiguous()
         floor = torch.empty(probs.shape[0], dtype=torch.float32)
         failed = kernel(
             probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), top_p.data_ptr(),
-            floor.data_ptr(), torch.get_num_threads(),
+            None if within is None else within.data_ptr(), floor.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if not failed:
             return floor

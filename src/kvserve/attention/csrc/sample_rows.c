@@ -11,6 +11,9 @@
  *
  *   probs       [rows, cols] float32, row r at probs + r * row_stride
  *   top_p       [rows] float32; a row with top_p >= 1 keeps everything (threshold 0)
+ *   within      [rows] float32 or NULL: look only among the probabilities >= within[r] (the
+ *               top-k floor; top_p is then top_p x their mass): one pass over the row
+ *               instead of a copy and ~2 passes, 2 ms of [128, 49,152] rows
  *   threshold   [rows] float32 out: keep the tokens whose probability is >= it (every token
  *               tied with the last kept one is kept: a sort would keep an arbitrary few)
  *
@@ -41,6 +44,9 @@
 #include <string.h>
 
 
+/* Which values keep_side keeps: those above the pivot, below it, or at least it. */
+typedef enum { ABOVE, BELOW, AT_LEAST } side;
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -69,18 +75,21 @@ static void weigh(const float *x, int64_t n, float pivot, int64_t *above, int64_
     *mass_above = _mm512_reduce_add_pd(sum_gt), *mass_equal = _mm512_reduce_add_pd(sum_eq);
 }
 
-/* Moves x[0:n)'s values above pivot (or below it) to its front, in order; returns how many.
- * Each chunk is compressed in a register and stored whole (16 values from x + out, out <= i:
- * within the chunk just read, or up to 15 past n, which the caller's buffer has room for):
- * a compressing store to memory is microcoded on AMD Zen 4, and took ~5x longer. */
-static int64_t gather_side(float *x, int64_t n, float pivot, int above) {
+/* Copies src[0:n)'s values on one side of pivot to dst, in order; returns how many.  dst may
+ * be src (out <= i).  Each chunk is compressed in a register and stored whole (16 values at
+ * dst + out: up to 15 past the count, which the caller's buffer has room for): a compressing
+ * store to memory is microcoded on AMD Zen 4, and took ~5x longer. */
+static int64_t keep_side(const float *src, float *dst, int64_t n, float pivot, side keep_if) {
     const __m512 p = _mm512_set1_ps(pivot);
     int64_t out = 0;
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
-        const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, v, p, above ? _CMP_GT_OQ : _CMP_LT_OQ);
-        _mm512_storeu_ps(x + out, _mm512_maskz_compress_ps(keep, v));
+        const __m512 v = _mm512_maskz_loadu_ps(live, src + i);
+        const __mmask16 keep =
+            keep_if == ABOVE   ? _mm512_mask_cmp_ps_mask(live, v, p, _CMP_GT_OQ)
+            : keep_if == BELOW ? _mm512_mask_cmp_ps_mask(live, v, p, _CMP_LT_OQ)
+                               : _mm512_mask_cmp_ps_mask(live, v, p, _CMP_GE_OQ);
+        _mm512_storeu_ps(dst + out, _mm512_maskz_compress_ps(keep, v));
         out += __builtin_popcount(keep);
     }
     return out;
@@ -97,10 +106,11 @@ static void weigh(const float *x, int64_t n, float pivot, int64_t *above, int64_
     *above = gt, *equal = eq, *mass_above = sum_gt, *mass_equal = sum_eq;
 }
 
-static int64_t gather_side(float *x, int64_t n, float pivot, int above) {
+static int64_t keep_side(const float *src, float *dst, int64_t n, float pivot, side keep_if) {
     int64_t out = 0;
     for (int64_t i = 0; i < n; i++)
-        if (above ? x[i] > pivot : x[i] < pivot) x[out++] = x[i];
+        if (keep_if == ABOVE ? src[i] > pivot : keep_if == BELOW ? src[i] < pivot : src[i] >= pivot)
+            dst[out++] = src[i];
     return out;
 }
 #endif
@@ -119,13 +129,13 @@ static float nucleus_threshold(float *x, int64_t n, double top_p, uint64_t *rng)
         weigh(x, n, pivot, &above, &equal, &mass_above, &mass_equal);
         if (equal == 0) return 0.0f; /* a NaN pivot (a failed forward): keep the row whole */
         if (above > 0 && mass_above >= needed) { /* the nucleus ends above the pivot */
-            n = gather_side(x, n, pivot, 1);
+            n = keep_side(x, x, n, pivot, ABOVE);
             continue;
         }
         if (mass_above + mass_equal >= needed) return pivot; /* it ends among the pivot's ties */
         needed -= mass_above + mass_equal; /* keep all down to the pivot, look below it */
         smallest_kept = pivot;
-        n = gather_side(x, n, pivot, 0);
+        n = keep_side(x, x, n, pivot, BELOW);
     }
     return smallest_kept; /* the row's mass fell short of top_p (rounding): keep it all */
 }
@@ -135,6 +145,7 @@ typedef struct {
     const float *probs;
     int64_t cols, row_stride;
     const float *top_p;   /* top_p_thresholds */
+    const float *within;  /* top_p_thresholds, or NULL */
     const int64_t *top_k; /* top_k_floors */
     float *out, *kept;
 } selection;
@@ -142,7 +153,7 @@ typedef struct {
 typedef void (*select_row)(const selection *s, int64_t r, float *scratch, uint64_t *rng);
 
 /* select(s, r, ...) for every row on the thread team: each thread with its own scratch row
- * (room for gather_side's whole-vector stores past the end) and pivot generator; 2 when out
+ * (room for keep_side's whole-vector stores past the end) and pivot generator; 2 when out
  * of memory. */
 static int select_rows(const selection *s, int64_t rows, int num_threads, select_row select) {
     int failed = 0;
@@ -167,14 +178,23 @@ static float *row_copy(const selection *s, int64_t r, float *scratch) {
 }
 
 static void nucleus_row(const selection *s, int64_t r, float *scratch, uint64_t *rng) {
-    s->out[r] = s->top_p[r] < 1.0f
-                    ? nucleus_threshold(row_copy(s, r, scratch), s->cols, s->top_p[r], rng)
-                    : 0.0f;
+    if (!(s->top_p[r] < 1.0f)) {
+        s->out[r] = 0.0f;
+        return;
+    }
+    const float least = s->within ? s->within[r] : 0.0f;
+    int64_t n = s->cols;
+    if (least > 0.0f) /* only the top-k tokens can be in the nucleus */
+        n = keep_side(s->probs + r * s->row_stride, scratch, s->cols, least, AT_LEAST);
+    else
+        row_copy(s, r, scratch);
+    s->out[r] = nucleus_threshold(scratch, n, s->top_p[r], rng);
 }
 
 int top_p_thresholds(const float *probs, int64_t rows, int64_t cols, int64_t row_stride,
-                     const float *top_p, float *threshold, int num_threads) {
-    const selection s = {probs, cols, row_stride, top_p, NULL, threshold, NULL};
+                     const float *top_p, const float *within, float *threshold,
+                     int num_threads) {
+    const selection s = {probs, cols, row_stride, top_p, within, NULL, threshold, NULL};
     return select_rows(&s, rows, num_threads, nucleus_row);
 }
 
@@ -191,7 +211,7 @@ static float kth_largest(float *x, int64_t n, int64_t k, double *kept, uint64_t 
         weigh(x, n, pivot, &above, &equal, &mass_above, &mass_equal);
         if (equal == 0) break; /* a NaN pivot (a failed forward) */
         if (above >= k) { /* the k-th value is above the pivot */
-            n = gather_side(x, n, pivot, 1);
+            n = keep_side(x, x, n, pivot, ABOVE);
             continue;
         }
         if (above + equal >= k) { /* it is the pivot */
@@ -200,7 +220,7 @@ static float kth_largest(float *x, int64_t n, int64_t k, double *kept, uint64_t 
         }
         k -= above + equal;
         mass += mass_above + mass_equal;
-        n = gather_side(x, n, pivot, 0);
+        n = keep_side(x, x, n, pivot, BELOW);
     }
     *kept = 1.0; /* NaNs took the place of values: keep the row whole */
     return 0.0f;
@@ -216,7 +236,7 @@ static void top_k_row(const selection *s, int64_t r, float *scratch, uint64_t *r
 
 int top_k_floors(const float *probs, int64_t rows, int64_t cols, int64_t row_stride,
                  const int64_t *top_k, float *floor, float *kept, int num_threads) {
-    const selection s = {probs, cols, row_stride, NULL, top_k, floor, kept};
+    const selection s = {probs, cols, row_stride, NULL, NULL, top_k, floor, kept};
     return select_rows(&s, rows, num_threads, top_k_row);
 }
 
