@@ -12,7 +12,6 @@ from kvserve.runner import sampling
 from kvserve.runner.sampling import (
     SamplingBatch,
     _argmax,
-    _argmax_kernel,
     _filtered_probs,
     _inverse_cdf,
     sample,
@@ -91,7 +90,7 @@ def test_sampling_follows_the_distribution():
 def test_argmax_is_torch_s_index_on_ties_nans_and_strided_rows(dtype, cols):
     """The C argmax against torch's max(dim).indices: random rows, rows of ties (bf16 rounds
     many neighbours to one value), a NaN row, and rows that are a strided slice."""
-    assert _argmax_kernel() is not None  # the C path is the one under test on this machine
+    assert sampling._sample_kernels().argmax is not None  # the C path is the one under test
     gen = torch.Generator().manual_seed(cols)
     wide = torch.randn(9, cols + 5, generator=gen).to(dtype)
     wide[1] = 3.0  # every column ties: index 0
@@ -121,7 +120,7 @@ def test_greedy_rows_take_the_argmax_of_bf16_logits_as_float32_would():
 
 def no_kernels() -> sampling.SampleKernels:
     """_sample_kernels where the C library is missing (a GPU, or no compiler)."""
-    return sampling.SampleKernels(None, None, None)
+    return sampling.SampleKernels(None, None, None, None)
 
 
 def sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -105,7 +105,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     [128, 49,152]); elsewhere `max(dim).indices`, the same result 3-4x faster than `argmax`
     on a CPU, where argmax is not vectorized."""
     if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ARGMAX_KINDS and x.numel():
-        kernel = _argmax_kernel()
+        kernel = _sample_kernels().argmax
         if kernel is not None and x.stride(1) == 1:
             out = torch.empty(x.shape[0], dtype=torch.int64)
             kernel(x.data_ptr(), _ARGMAX_KINDS[x.dtype], x.shape[0], x.shape[1], x.stride(0),
@@ -115,14 +115,6 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 _ARGMAX_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-
-
-@functools.cache
-def _argmax_kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernels_or_none
-
-    kernels = kernels_or_none()
-    return None if kernels is None else kernels.argmax_rows
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -229,11 +221,13 @@ def _top_p_floor(
 
 
 class SampleKernels(NamedTuple):
-    """csrc/sample_rows.c's entry points, each None without the kernel library."""
+    """The sampler's C entry points (csrc/sample_rows.c, csrc/argmax_rows.c), each None
+    without the kernel library."""
 
     top_p: Callable[..., int] | None
     draw: Callable[..., int] | None
     top_k: Callable[..., int] | None
+    argmax: Callable[..., int] | None
 
 
 @functools.cache
@@ -242,8 +236,10 @@ def _sample_kernels() -> SampleKernels:
 
     kernels = kernels_or_none()
     if kernels is None:
-        return SampleKernels(None, None, None)
-    return SampleKernels(kernels.top_p_thresholds, kernels.draw_rows, kernels.top_k_floors)
+        return SampleKernels(None, None, None, None)
+    return SampleKernels(
+        kernels.top_p_thresholds, kernels.draw_rows, kernels.top_k_floors, kernels.argmax_rows
+    )
 
 
 def _nucleus_floor(
