@@ -110,15 +110,15 @@ def w3(args: argparse.Namespace) -> DatasetConfig:
                          output_len=32, seed=args.seed)  # fmt: skip
 
 
-def sampling(args: argparse.Namespace) -> dict[str, float]:
-    """The requests' sampling fields: greedy unless --temperature says otherwise."""
-    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    return {name: value for name, value in fields.items() if value is not None}
+def sampling(args: argparse.Namespace) -> dict[str, float | None]:
+    """The requests' sampling fields, as BenchConfig takes them (None: the server's default):
+    greedy unless --temperature says otherwise."""
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
 
 
 def run_bench(server: Server, name: str, dataset: DatasetConfig, tokenizer: Any,
               rate: float = float("inf"),
-              sampled: dict[str, float] | None = None) -> dict:  # fmt: skip
+              sampled: dict[str, float | None] | None = None) -> dict:  # fmt: skip
     config = BenchConfig(
         base_url=server.base_url, model=EMBEDDED_NAME, ignore_eos=True, dataset=dataset,
         label=f"{server.name} {name}", request_rate=rate, disable_tqdm=True,

@@ -132,7 +132,6 @@ class BenchConfig:
             raise ParameterError("--top-k", "must be positive, or -1 for off")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ParameterError("--min-p", "must be in [0, 1]")
-        self.sampling()
         self.selected_metrics()
         self.percentiles()
         self.slos_ms()
