@@ -123,12 +123,24 @@ class CacheConfig:
             metavar="FILE",
         ),
     )
+    enable_cross_salt_miss_reason: bool = field(
+        default=False,
+        metadata=_help(
+            "Count a miss of prompt tokens cached under another cache_salt as `isolated` in "
+            "kvserve:prefix_cache_miss_tokens_total (default: `never_seen`, so that no client "
+            "reading /metrics learns whether another tenant sent a prompt). For one-tenant "
+            "deployments diagnosing their salts."
+        ),
+    )
     kv_events_config: str | None = field(
         default=None,
         metadata=_help(
             "KV cache events as vLLM publishes them, as JSON, e.g. "
-            '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
-            '"endpoint": "tcp://*:5557", "topic": "kv"}\'.',
+            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}\' '
+            "(bound to tcp://127.0.0.1:5557 unless endpoint says otherwise; "
+            '"tcp://*:5557" exposes them on every interface). Blocks under a cache_salt are '
+            "announced without their token ids unless publish_salted_token_ids is true. "
+            "See docs/prefix_cache.md.",
             metavar="JSON",
         ),
     )
@@ -217,16 +229,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's KVEventsConfig (the JSON of --kv-events-config), the fields kvserve uses."""
+    """vLLM's KVEventsConfig (the JSON of --kv-events-config), the fields kvserve uses, then
+    kvserve's own: the replay bounds and the tenants' token ids (docs/prefix_cache.md)."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "null"  # "zmq" publishes; "null" drops the events
-    endpoint: str = "tcp://*:5557"  # a bind address (with * or ipc/inproc) or one to connect to
+    # Bound when wildcard (*, ::), loopback, ipc:// or inproc://, else connected to; the
+    # default is this host only: "tcp://*:5557" exposes the events on every interface.
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches
-    buffer_steps: int = 10_000  # batches kept for replay
+    buffer_steps: int = 10_000  # batches kept for replay, at most
     hwm: int = 100_000  # the PUB socket's high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
+    buffer_max_bytes: int = 64 * 2**20  # encoded batches kept for replay, at most
+    replay_max_batches: int = 1_000  # batches sent back to one replay request, at most
+    publish_salted_token_ids: bool = False  # token ids of blocks under a cache_salt
 
 
 def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
@@ -249,7 +267,25 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
         raise ParameterError(
             "--kv-events-config", f'publisher must be "zmq" or "null", got {config.publisher!r}'
         )
+    _check_kv_events_types(config)
     return config if config.enable_kv_cache_events and config.publisher == "zmq" else None
+
+
+def _check_kv_events_types(config: KVEventsConfig) -> None:
+    """ParameterError naming the field whose JSON value has the wrong type or is not positive
+    (the publisher's bounds are never 0: a 0-sized queue or buffer would be unbounded)."""
+    for f in fields(KVEventsConfig):
+        value, default = getattr(config, f.name), f.default
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            want = "a positive integer"
+        else:
+            ok = isinstance(value, str) or (value is None and default is None)
+            want = "a string or null" if default is None else "a string"
+        if not ok:
+            raise ParameterError("--kv-events-config", f"{f.name} must be {want}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -400,6 +436,20 @@ class RequestLimits:
     max_stop_string_length: int = field(
         default=256, metadata=_help("Longest stop string, in characters.")
     )
+    max_stop_token_ids: int = field(
+        default=1024, metadata=_help("Most stop_token_ids per request.")
+    )
+    max_cache_salt_length: int = field(
+        default=1024, metadata=_help("Longest cache_salt, in characters.")
+    )
+    max_prompt_chars: int = field(
+        default=2**20,
+        metadata=_help(
+            "Longest text prompt (completions, /tokenize) or chat conversation (all message "
+            "contents together), in characters; tokenizing it must not hold a tokenizer "
+            "thread for long."
+        ),
+    )
     max_logprobs: int = field(
         default=20, metadata=_help("Most top logprobs per token a request may ask for.")
     )
@@ -430,6 +480,31 @@ class RequestLimits:
                 "n",
                 f"is too large: {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
                 f"the limit is {self.max_sequences_per_request} (--max-sequences-per-request)",
+            )
+
+    def check_stop_token_ids(self, num_ids: int) -> None:
+        if num_ids > self.max_stop_token_ids:
+            raise ParameterError(
+                "stop_token_ids",
+                f"holds {num_ids} ids; the limit is {self.max_stop_token_ids} "
+                "(--max-stop-token-ids)",
+            )
+
+    def check_cache_salt(self, cache_salt: str) -> None:
+        if len(cache_salt) > self.max_cache_salt_length:
+            raise ParameterError(
+                "cache_salt",
+                f"has {len(cache_salt)} characters; the limit is {self.max_cache_salt_length} "
+                "(--max-cache-salt-length)",
+            )
+
+    def check_prompt_chars(self, num_chars: int, name: str) -> None:
+        """ParameterError naming `name` when a text to tokenize is too long."""
+        if num_chars > self.max_prompt_chars:
+            raise ParameterError(
+                name,
+                f"has {num_chars} characters; the limit is {self.max_prompt_chars} "
+                "(--max-prompt-chars)",
             )
 
     def check_stop(self, stop: tuple[str, ...] | list[str]) -> None:

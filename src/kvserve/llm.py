@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from kvserve.config import ENGINE_PARTS, EngineConfig, LoadConfig
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.request import SamplingParams
+from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.step import RequestOutput
 
 
@@ -54,7 +54,9 @@ class LLM:
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, param_list, strict=True)):
             request_id = f"offline-{id(self)}-{i}"
-            self.engine.add_request(request_id, prompt, p)
+            # only the final output is read: no copy of every sequence at every step
+            final_only = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            self.engine.add_request(request_id, prompt, final_only)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with heap_frozen():  # no collection walks the engine's own objects (gc_freeze.py)

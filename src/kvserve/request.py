@@ -12,6 +12,19 @@ from kvserve.errors import ParameterError
 MAX_N = 128  # OpenAI's cap on `n`
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names).
+
+    CUMULATIVE: everything so far (simple; each output costs O(output length)).
+    DELTA: only what is new since the previous output, so a server that coalesces unread
+    outputs holds O(output) per request whatever the client's read rate.
+    FINAL_ONLY: one output, when the request finishes (offline generation)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, named as in vLLM.  ValueError names the bad field."""
@@ -30,6 +43,12 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token (the sampled one always)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # stop_token_ids as a set, built once: the stop check and the min_tokens mask read it
+    # every token, and a request may carry --max-stop-token-ids of them
+    stop_token_id_set: frozenset[int] = field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +56,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
+        object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))
 
     def _validate(self) -> None:
         checks = [
@@ -71,8 +91,9 @@ class SamplingParams:
     def check_against(self, vocab_size: int, limits: RequestLimits) -> None:
         """What only the serving engine knows: the vocabulary and its configured limits.
         ParameterError names the field; called before a request reaches the engine thread."""
-        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
-        if bad is not None:
+        limits.check_stop_token_ids(len(self.stop_token_ids))
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            bad = max(self.stop_token_ids)
             raise ParameterError("stop_token_ids", f"must be in [0, {vocab_size}), got {bad}")
         limits.check_stop(self.stop)
         cap = min(limits.max_logprobs, vocab_size)  # top-k over the vocabulary at most

@@ -77,6 +77,9 @@ class SchedulerStats:
     host_kv_cache_usage: float = 0.0
     num_offloaded_blocks: int = 0
     num_loaded_blocks: int = 0
+    # since start: errors that turned the --prefix-cache-dir store off (engine/prefix_store.py)
+    prefix_store_errors: int = 0
+    num_kv_events_dropped_batches: int = 0  # since start, KV event batches never sent
 
 
 @dataclass
@@ -103,3 +106,36 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """One DELTA output holding what `deltas` (of one request, in order) hold together: the
+    coalescing of a reader that fell behind, and the collection of a whole response.  O(total
+    size): texts are joined once, not appended one by one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    outputs = []
+    for index, final in enumerate(last.outputs):
+        parts = [d.outputs[index] for d in deltas]
+        logprobs = None
+        if final.logprobs is not None:
+            logprobs = [lp for p in parts if p.logprobs is not None for lp in p.logprobs]
+        outputs.append(
+            CompletionOutput(
+                index=final.index,
+                text="".join(p.text for p in parts),
+                token_ids=[t for p in parts for t in p.token_ids],
+                finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
+                logprobs=logprobs,
+            )
+        )
+    return RequestOutput(
+        request_id=last.request_id,
+        prompt=last.prompt,
+        prompt_token_ids=last.prompt_token_ids,
+        outputs=outputs,
+        finished=last.finished,
+        num_cached_tokens=last.num_cached_tokens,
+    )

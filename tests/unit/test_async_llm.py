@@ -11,10 +11,16 @@ import threading
 
 import pytest
 
-from kvserve.engine.async_llm import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, EngineDeadError
+from kvserve.engine.async_llm import (
+    MAX_CONSECUTIVE_STEP_FAILURES,
+    AsyncLLM,
+    EngineDeadError,
+    OutputCollector,
+)
+from kvserve.engine.watchdog import EngineStalledError
 from kvserve.engine.llm_engine import StepFailedError
 from kvserve.errors import QueueFullError, RequestFailedError
-from kvserve.request import SamplingParams
+from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.step import CompletionOutput, RequestOutput, SchedulerStats
 
 
@@ -339,3 +345,94 @@ def test_an_idle_engine_takes_a_burst_of_requests_into_its_first_step(
 
     run_with(engine, scenario)
     assert engine.step_sizes[0] == first_step
+
+
+class DeltaEngine(FakeEngine):
+    """FakeEngine whose outputs are deltas (one new token, one character a step), as the
+    server asks for them (RequestOutputKind.DELTA)."""
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        for output in outputs:
+            completion = output.outputs[0]
+            completion.token_ids = completion.token_ids[-1:]
+            completion.text = "x"
+        return outputs
+
+
+def test_a_reader_that_falls_behind_gets_the_missed_deltas_merged_in_bounded_memory():
+    """A client that stops reading must not make the server queue every step's output: the
+    collector holds one chunk per OutputCollector.CHUNK steps, and the reader then gets every
+    token exactly once, in order."""
+    engine = DeltaEngine()
+    delta = SamplingParams(max_tokens=1000, output_kind=RequestOutputKind.DELTA)
+
+    async def scenario(llm: AsyncLLM) -> None:
+        stream = await llm.add_request("slow", [1], delta)
+        async with stream:
+            first = await stream.__anext__()
+            while engine.num_steps < 600:  # the reader stops reading for 600 steps
+                await asyncio.sleep(0.01)
+            collector = stream._pending  # noqa: SLF001 - what the request holds meanwhile
+            held = len(collector._chunks) + len(collector._recent)  # noqa: SLF001
+            assert held <= 600 // OutputCollector.CHUNK + OutputCollector.CHUNK
+            token_ids, text = list(first.outputs[0].token_ids), first.outputs[0].text
+            async for output in stream:
+                token_ids += output.outputs[0].token_ids
+                text += output.outputs[0].text
+        assert token_ids == list(range(1, 1001)) and text == "x" * 1000
+
+    run_with(engine, scenario)
+
+
+def test_a_cumulative_reader_that_falls_behind_gets_only_the_newest_output():
+    engine = FakeEngine()
+
+    async def scenario(llm: AsyncLLM) -> None:
+        stream = await llm.add_request("slow", [1], SamplingParams(max_tokens=300))
+        async with stream:
+            while engine.num_steps < 200:
+                await asyncio.sleep(0.01)
+            outputs = [output async for output in stream]
+        assert outputs[-1].outputs[0].token_ids == list(range(1, 301))
+        assert len(outputs) < 100  # not one per step
+
+    run_with(engine, scenario)
+
+
+class HangingEngine(FakeEngine):
+    """A step of request "hang" never returns (a collective whose peer hangs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def step(self) -> list[RequestOutput]:
+        if "hang" in self.requests:
+            self.release.wait()
+        return super().step()
+
+
+def test_a_step_that_never_returns_is_reported_by_the_watchdog():
+    engine = HangingEngine()
+    fatal: list[BaseException] = []
+    llm = AsyncLLM(engine, on_fatal=fatal.append)  # type: ignore[arg-type]
+    llm.start(stall_timeout_s=0.3)
+
+    async def scenario() -> None:
+        assert len((await _finish(llm, "fine", 20)).outputs[0].token_ids) == 20
+        assert llm.is_running and not fatal  # many short steps are no stall
+        await llm.add_request("hang", [1], SamplingParams(max_tokens=5))
+        for _ in range(300):
+            if fatal:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+        assert len(fatal) == 1 and isinstance(fatal[0], EngineStalledError)
+        assert "in a step" in str(fatal[0]) and "release.wait" in str(fatal[0])  # its stack
+        assert not llm.is_running and llm.error is fatal[0]
+    finally:
+        llm.shutdown()  # returns at once: the engine thread is stuck for good
+        engine.release.set()

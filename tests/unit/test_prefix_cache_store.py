@@ -55,7 +55,7 @@ def test_public_prefix_blocks_are_shared_across_salts_and_nothing_after():
 
 
 def test_miss_reasons_have_exact_token_counts():
-    cm = make(num_blocks=6)
+    cm = make(num_blocks=6, report_cross_salt_misses=True)
     stats = cm.prefix_stats
     run(cm, "a", PROMPT, "x")
     # 13 tokens: 3 blocks never seen (12 tokens) + the last token below the block size.
@@ -68,6 +68,34 @@ def test_miss_reasons_have_exact_token_counts():
     run(cm, "d", PROMPT, "x")
     assert stats.misses["evicted"] == 12
     assert stats.queries == stats.hits + sum(stats.misses.values())
+
+
+def test_another_salts_prompt_is_not_told_apart_from_a_new_one_by_default():
+    """A tenant reading the miss reasons learns nothing of another salt's prompts: the same
+    tokens sent under another salt (or none) count exactly as tokens nobody sent."""
+    counts = []
+    for earlier_salt in ("other-tenant", None):
+        cm = make(num_blocks=6)
+        run(cm, "earlier", PROMPT, earlier_salt)
+        before = dict(cm.prefix_stats.misses)
+        run(cm, "probe", PROMPT, "prober")
+        counts.append({k: v - before[k] for k, v in cm.prefix_stats.misses.items()})
+    fresh = make(num_blocks=6)
+    run(fresh, "probe", PROMPT, "prober")
+    nobody = dict(fresh.prefix_stats.misses)
+    assert counts == [nobody, nobody]
+    assert nobody == {"below_block_size": 1, "isolated": 0, "evicted": 0, "never_seen": 12}
+
+
+def test_another_kv_dtypes_store_still_counts_as_isolated():
+    cm = make(num_blocks=6)
+    other = make(num_blocks=6)
+    other.extra_key = b"int8"
+    keys = _keys(other, "k", PROMPT)
+    contents = other._hashes("k", PROMPT, None).contents
+    cm.note_isolated(contents, keys)
+    run(cm, "a", PROMPT)
+    assert cm.prefix_stats.misses["isolated"] == 12
 
 
 def test_a_block_behind_a_miss_takes_the_reason_of_the_miss():

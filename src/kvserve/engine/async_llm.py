@@ -9,8 +9,10 @@ The engine is not thread-safe, so exactly one thread (``kvserve-engine``) ever t
                 await queue.get() <-------   step() -> call_soon_threadsafe(queue.put_nowait)
     abort():    submit abort --commands-->   abort_request(): blocks freed before the next step
 
-Outputs are cumulative, so a consumer that falls behind only needs the newest one: `generate`
-drains its queue and yields the latest output, never a backlog.
+A consumer that falls behind (a client that stops reading its stream) must not make the
+server hold a backlog: each request's outputs wait in an `OutputCollector`, which keeps only the
+newest output of a CUMULATIVE request and coalesces a DELTA request's outputs (the server's
+kind), so what a request holds is O(its output) whatever its reader does.
 
 The engine thread also builds the engine (`AsyncLLM.launch`), so that one thread runs every
 torch op of the process.  libgomp keeps a thread team for each thread that ever ran a parallel
@@ -40,10 +42,11 @@ from typing import Any
 
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
+from kvserve.engine.watchdog import EngineStalledError, StallWatchdog
 from kvserve.errors import QueueFullError, RequestFailedError
-from kvserve.request import SamplingParams
+from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.runner import platform
-from kvserve.step import RequestOutput, SchedulerStats
+from kvserve.step import RequestOutput, SchedulerStats, merge_deltas
 
 logger = logging.getLogger("kvserve")
 
@@ -63,16 +66,58 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shutdown, or a step failed); requests cannot proceed."""
 
 
+class OutputCollector:
+    """The outputs of one request its reader has not taken yet (event-loop side; vLLM's
+    RequestOutputCollector).  DELTA outputs are coalesced, the others replaced by the newest,
+    so memory is O(the request's output) however far behind the reader is.  Deltas are merged
+    in chunks of CHUNK as they arrive (one object per chunk, not per step) and joined once
+    when taken."""
+
+    CHUNK = 32
+
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self._delta = kind is RequestOutputKind.DELTA
+        self._chunks: list[RequestOutput] = []
+        self._recent: list[RequestOutput] = []
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif not self._delta:
+            self._recent = [item]
+        else:
+            self._recent.append(item)
+            if len(self._recent) >= self.CHUNK:
+                self._chunks.append(merge_deltas(self._recent))
+                self._recent = []
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """Everything collected since the last call (waits for something); raises the error
+        that ended the request, after the outputs that came before it."""
+        await self._ready.wait()
+        pending = self._chunks + self._recent
+        self._chunks, self._recent = [], []
+        if pending:
+            if self._error is None:
+                self._ready.clear()
+            return merge_deltas(pending) if self._delta else pending[-1]
+        assert self._error is not None
+        raise self._error
+
+
 @dataclass
 class _Stream:
-    """Where one request's outputs go: a queue owned by the event loop that awaits it."""
+    """Where one request's outputs go: a collector owned by the event loop that awaits it."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    collector: OutputCollector
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.collector.put, item)
         except RuntimeError:
             pass  # the loop is closed: nobody is listening any more
 
@@ -101,6 +146,7 @@ class AsyncLLM:
         self.stats: SchedulerStats = engine.get_stats()  # replaced (never mutated) per step
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
         self._go: threading.Event | None = None  # set by launch(): its thread waits for start()
+        self._watchdog: StallWatchdog | None = None  # start() with a stall timeout
         engine.on_executor_failure(self._fail_from_outside)
 
     @classmethod
@@ -126,16 +172,28 @@ class AsyncLLM:
         threading.Thread(target=engine_thread, name=ENGINE_THREAD, daemon=True).start()
         return built.result()
 
+    def _stalled(self, error: EngineStalledError) -> None:
+        """The watchdog's verdict (its thread): unhealthy now, and the process is told to
+        exit, since the engine thread may never come back to fail its requests itself."""
+        logger.critical("%s", error)
+        self._error = error
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
     def _fail_from_outside(self, error: BaseException) -> None:
         """A tensor-parallel rank died (any thread): unhealthy at once, and the engine thread
         stops at its next turn (or as soon as its step's collective fails)."""
         self._error = error
         self._wakeup.set()
 
-    def start(self) -> None:
-        """Start the engine thread; the calling thread (the server's event loop, and the
-        tokenizer threads it starts later) then moves off the compute CPUs when
-        --cpu-threads-bind reserves some for it."""
+    def start(self, stall_timeout_s: float = 0.0) -> None:
+        """Start the engine thread (and, when `stall_timeout_s` > 0, its watchdog: see
+        watchdog.py); the calling thread (the server's event loop, and the tokenizer threads
+        it starts later) then moves off the compute CPUs when --cpu-threads-bind reserves
+        some for it."""
+        if stall_timeout_s > 0:
+            self._watchdog = StallWatchdog(stall_timeout_s, self._stalled)
+            self._watchdog.start()
         if self._go is not None:
             self._go.set()
         else:
@@ -167,18 +225,19 @@ class AsyncLLM:
         max_waiting_sequences are already waiting.  The caller must
         close the returned stream (``async with`` or ``close()``) unless it reads it to the
         end: closing an unfinished stream aborts the request and frees its blocks."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), OutputCollector(params.output_kind))
         try:
             await self._submit(lambda: self._add(request_id, prompt, params, stream, cache_salt))
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have happened before the cancel arrived
             raise
-        return RequestStream(self, request_id, stream.queue, on_output)
+        return RequestStream(self, request_id, stream.collector, on_output)
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """`add_request` + iterate: yields cumulative outputs until the request finishes."""
+        """`add_request` + iterate: yields outputs (of params.output_kind) until the request
+        finishes."""
         async with await self.add_request(request_id, prompt, params) as outputs:
             async for output in outputs:
                 yield output
@@ -201,8 +260,12 @@ class AsyncLLM:
         EngineDeadError."""
         self._stopping = True
         self._wakeup.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._go is not None:
             self._go.set()  # launched but never started: let _run close the engine and end
+        if isinstance(self._error, EngineStalledError):
+            return  # stuck for good: waiting for it would only delay the exit
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -294,17 +357,31 @@ class AsyncLLM:
                 return
             if not future.set_running_or_notify_cancel():
                 continue
+            self._begin("a command")
             try:
                 future.set_result(fn())
             except Exception as exc:  # the caller gets it (e.g. ValueError for a bad request)
                 future.set_exception(exc)
+            finally:
+                self._end()
+
+    def _begin(self, what: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.begin(what)
+
+    def _end(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.end()
 
     def _step(self) -> None:
+        self._begin("a step")
         try:
             outputs = self.engine.step()
         except StepFailedError as exc:
             self._fail_requests(exc)
             return
+        finally:
+            self._end()
         self._consecutive_failures = 0
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -356,11 +433,13 @@ class AsyncLLM:
 
 @dataclass(eq=False)
 class RequestStream:
-    """Async iterator over one request's cumulative outputs; closing it early aborts."""
+    """Async iterator over one request's outputs; closing it early aborts.  A reader that fell
+    behind gets what it missed in one output (the newest cumulative one, or the deltas
+    merged)."""
 
     _owner: AsyncLLM
     request_id: str
-    _pending: asyncio.Queue[RequestOutput | BaseException]
+    _pending: OutputCollector
     _on_output: Callable[[RequestOutput], None] | None
     _done: bool = False
 
@@ -368,19 +447,16 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        """The newest output; earlier queued ones are subsumed by it (outputs are cumulative)."""
         if self._done:
             raise StopAsyncIteration
         try:
             item = await self._pending.get()
-            while not isinstance(item, BaseException) and not self._pending.empty():
-                item = self._pending.get_nowait()
-        except BaseException:
+        except asyncio.CancelledError:
             self.close()  # cancelled while waiting: the client is gone
             raise
-        if isinstance(item, BaseException):
+        except BaseException:
             self._done = True  # the engine already dropped the request
-            raise item
+            raise
         self._done = item.finished
         if self._on_output is not None:
             self._on_output(item)

@@ -4,7 +4,8 @@
 The engine calls `after_step` once per step (drains the cache manager's events into the
 publisher's queue; saves new blocks every PREFIX_CACHE_SAVE_INTERVAL_S), `reset` for
 POST /reset_prefix_cache and `close` on a clean shutdown, all on its own thread.  With neither
-feature on, `after_step` is two attribute checks.
+feature on, `after_step` is two attribute checks.  The store never fails a request, a reset or
+the start-up: its errors turn it off and are counted (`num_store_errors`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class PrefixCacheServices:
         """Opens the event sockets now (a bad endpoint fails at start-up)."""
         self.publisher = None
         self.store = None
+        self._num_closed_store_errors = 0  # the store's errors, once it is closed
         self._store_dir = config.prefix_cache_dir
         self._store_max_bytes = config.prefix_cache_dir_max_size
         events = config.kv_events
@@ -30,14 +32,29 @@ class PrefixCacheServices:
             from kvserve.engine.kv_events import ZmqEventPublisher
 
             self.publisher = ZmqEventPublisher(events, "GPU" if device.type == "cuda" else "CPU")
+            self.publisher.start()
+        self._num_dropped_event_batches = 0  # of a closed publisher
 
     @property
     def wants_events(self) -> bool:
         return self.publisher is not None
 
     @property
+    def num_dropped_event_batches(self) -> int:
+        """KV event batches never sent since start (kvserve:kv_events_dropped_batches)."""
+        if self.publisher is None:
+            return self._num_dropped_event_batches
+        return self.publisher.num_dropped
+
+    @property
     def wants_new_blocks(self) -> bool:
         return self._store_dir is not None
+
+    @property
+    def num_store_errors(self) -> int:
+        """Errors that turned the store off since start (kvserve:prefix_store_errors)."""
+        store = self.store
+        return self._num_closed_store_errors if store is None else store.num_errors
 
     def open_store(
         self,
@@ -45,7 +62,8 @@ class PrefixCacheServices:
         kv_caches: list[LayerKVCache],
         cache_manager: KVCacheManager,
     ) -> None:
-        """With --prefix-cache-dir: load the matching blocks into `cache_manager`."""
+        """With --prefix-cache-dir: load the matching blocks into `cache_manager` (never
+        raises: a directory the store cannot use leaves it off or read-only)."""
         if self._store_dir is None:
             return
         from kvserve.engine.prefix_store import PrefixStore
@@ -64,7 +82,8 @@ class PrefixCacheServices:
             self.store.maybe_save(cache_manager, PREFIX_CACHE_SAVE_INTERVAL_S)
 
     def reset(self, cache_manager: KVCacheManager) -> int:
-        """Drop every cached block no request holds, in memory and on disk."""
+        """Drop every cached block no request holds, in memory and on disk (the files are
+        deleted by the store's writer: this never waits for it)."""
         num_dropped = cache_manager.reset_prefix_cache()
         if self.store is not None:
             self.store.clear()
@@ -75,10 +94,12 @@ class PrefixCacheServices:
         """Write the blocks not yet on disk; send the last events."""
         if self.store is not None:
             self.store.close(cache_manager)
+            self._num_closed_store_errors = self.store.num_errors
             self.store = None
         if self.publisher is not None:
             events = cache_manager.take_events()
             if events:
                 self.publisher.publish(events)
             self.publisher.shutdown()
+            self._num_dropped_event_batches = self.publisher.num_dropped
             self.publisher = None

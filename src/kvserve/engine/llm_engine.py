@@ -2,7 +2,8 @@
 
     add_request -> Scheduler.waiting
     step():  schedule -> ModelRunner.execute -> update_from_output -> detokenize, stop
-             strings -> RequestOutput (cumulative, one per user request touched)
+             strings -> RequestOutput (one per user request touched; cumulative, a delta or only
+             the final one, as the request's output_kind asks)
 
 A user request with n > 1 becomes n child sequences ("<id>-<i>"); with prefix caching their
 shared prompt blocks are computed once and held by reference.
@@ -48,7 +49,7 @@ from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
 from kvserve.runner import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
@@ -80,7 +81,8 @@ class EngineCorruptedError(RuntimeError):
 
 @dataclass
 class _Sequence:
-    """Engine-side state of one child sequence: its text, stop strings and logprobs."""
+    """Engine-side state of one child sequence: its text, stop strings and logprobs, and how
+    much of them earlier DELTA outputs already carried."""
 
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStrings
@@ -88,6 +90,32 @@ class _Sequence:
     stopped_by: str | None = None  # the stop string that ended the text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+    def completion(self, index: int, kind: RequestOutputKind) -> CompletionOutput:
+        """This sequence's output: everything (CUMULATIVE, FINAL_ONLY; copies, O(output)), or
+        what is new since the previous call (DELTA; O(new)).  Visible text only grows (held
+        back text is never shown early), so a delta is a suffix."""
+        finished = self.finish_reason is not None
+        token_ids = self.detokenizer.token_ids
+        text = self.stop_strings.visible(self.detokenizer.text, finished)
+        num_tokens, num_chars = len(token_ids), len(text)
+        first_token, first_char = 0, 0
+        if kind is RequestOutputKind.DELTA:
+            first_token, first_char = self.num_sent_tokens, self.num_sent_chars
+            self.num_sent_tokens, self.num_sent_chars = num_tokens, num_chars
+        logprobs = self.logprobs
+        if logprobs is not None:
+            logprobs = logprobs[first_token:num_tokens]
+        return CompletionOutput(
+            index=index,
+            text=text[first_char:],
+            token_ids=token_ids[first_token:num_tokens],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=logprobs,
+        )
 
 
 @dataclass
@@ -96,6 +124,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     child_ids: list[str]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     sequences: dict[str, _Sequence] = field(default_factory=dict)
     num_cached_tokens: int = 0
 
@@ -249,6 +278,7 @@ class LLMEngine:
             enable_events=self.services.wants_events,
             track_new_blocks=self.services.wants_new_blocks,
             num_host_blocks=num_host,
+            report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
         )  # fmt: skip
         sched = self.config.scheduler
         self.scheduler = Scheduler(
@@ -379,7 +409,7 @@ class LLMEngine:
             for child_id in added:
                 self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             raise
-        user = _UserRequest(request_id, text, token_ids, child_ids)
+        user = _UserRequest(request_id, text, token_ids, child_ids, params.output_kind)
         for child in children:
             user.sequences[child.request_id] = self._new_sequence(child.sampling_params)
             self._child_to_user[child.request_id] = request_id
@@ -413,7 +443,12 @@ class LLMEngine:
         return self.scheduler.num_waiting
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        dropped = self.services.num_dropped_event_batches
+        return replace(
+            self.scheduler.stats(),
+            num_kv_events_dropped_batches=dropped,
+            prefix_store_errors=self.services.num_store_errors,
+        )
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds (and the store on disk); how many."""
@@ -486,7 +521,8 @@ class LLMEngine:
                     continue
                 self._process_token(request, runner_output.logprobs.get(request.request_id))
                 touched[user_id] = None
-            return [self._make_output(user_id) for user_id in touched]
+            outputs = (self._make_output(user_id) for user_id in touched)
+            return [output for output in outputs if output is not None]
 
     def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
         user = self._user_requests[self._child_to_user[request.request_id]]
@@ -507,28 +543,21 @@ class LLMEngine:
             seq.finish_reason = request.status.finish_reason
             seq.stop_reason = request.stop_reason or seq.stopped_by
 
-    def _make_output(self, user_id: str) -> RequestOutput:
+    def _make_output(self, user_id: str) -> RequestOutput | None:
+        """The user request's output after this step, as its output_kind asks (None: nothing
+        to send, a FINAL_ONLY request still running)."""
         user = self._user_requests[user_id]
-        outputs = []
-        for index, child_id in enumerate(user.child_ids):
-            seq = user.sequences[child_id]
-            finished = seq.finish_reason is not None
-            token_ids = seq.detokenizer.token_ids
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=seq.stop_strings.visible(seq.detokenizer.text, finished),
-                    token_ids=list(token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=seq.logprobs,
-                )
-            )
-        finished = all(o.finished for o in outputs)
+        finished = all(user.sequences[c].finish_reason is not None for c in user.child_ids)
         if finished:
             del self._user_requests[user_id]
             for child_id in user.child_ids:
                 self._child_to_user.pop(child_id, None)
+        elif user.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        outputs = [
+            user.sequences[child_id].completion(index, user.output_kind)
+            for index, child_id in enumerate(user.child_ids)
+        ]
         return RequestOutput(
             request_id=user_id,
             prompt=user.prompt,

@@ -1,5 +1,6 @@
 """The prefix cache on disk (--prefix-cache-dir): full cached blocks survive a restart.
 
+    DIR/kvserve.lock                                   held (flock) by the one server writing DIR
     DIR/<fingerprint digest>/fingerprint.json          what the blocks were computed with
     DIR/<fingerprint digest>/group-0000000007.safetensors
         <layer>.key / <layer>.value [n, block_size, kv_heads, head_dim] (storage dtype)
@@ -7,6 +8,7 @@
         keys, parents [n, 32] uint8 (block key, parent key or zeros)
         contents [n] int64 (the statistics-only content hash, kv/prefix_cache.py)
         token_ids [n, block_size] int64
+        metadata "fingerprint": the JSON of the fingerprint, checked before a block is used
 
 When: blocks cached since the last save are written every PREFIX_CACHE_SAVE_INTERVAL_S
 seconds while the engine steps (their K/V copied on the engine thread, the file written by a
@@ -19,27 +21,47 @@ At start-up, the groups of the directory whose fingerprint matches this engine a
 newest first while free blocks last, as cold cached blocks: free, hashed, at the end of the
 LRU queue that eviction takes from.  A store with another fingerprint is logged with the
 reason and left alone; when only the KV dtype differs, its content hashes tell the miss
-classifier that those tokens are `isolated`.  A file that does not read back (corrupt,
-truncated, wrong shapes) is logged and deleted; it never stops the server.
+classifier that those tokens are `isolated`.
+
+The store fails safe (StoreState): serving never depends on it.
+- One server writes a directory: the first takes DIR/kvserve.lock; another one (a second
+  replica with the same flags) logs the holder's pid and is READ_ONLY: it loads at start-up
+  and never writes or deletes a file.
+- Any error of the writer or of the copies for it (disk full, directory deleted or read-only,
+  any exception type) turns the store OFF: one error line naming the directory,
+  `num_errors` (kvserve:prefix_store_errors_total), and nothing touches the disk again.
+- At most `max_pending_bytes` of K/V copies wait for the writer (one group more when none
+  does); blocks over that wait as ids for the next save.  A reset never waits for the writer.
+- Nothing in the directory stops the start-up: an unknown name, a directory named like a
+  group, another fingerprint (stored in the file or in fingerprint.json) is skipped with a
+  warning and kept; a group that does not read back is deleted only when it is this server's
+  own (its name in its own fingerprint's directory, the lock held).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import queue
-import threading
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.engine.store_writer import (
+    GROUP_NAME,
+    GroupDeletion,
+    GroupWrite,
+    StoreState,
+    StoreWriter,
+    try_lock,
+)
 from kvserve.kv.cache_log import NewBlock
 from kvserve.kv.cache_manager import KVCacheManager
 
@@ -47,8 +69,11 @@ logger = logging.getLogger("kvserve")
 
 STORE_FORMAT = "kvserve-prefix-store-1"  # bump when block keys or the file layout change
 MAX_GROUP_BLOCKS = 1024
+MAX_PENDING_BYTES = 512 * 2**20  # K/V copies waiting for the writer, at most (+ one group)
+WRITER_STALL_S = 30.0  # at shutdown: give up on a writer that finishes nothing for this long
+LOCK_NAME = "kvserve.lock"
 _HASH_BYTES = 32
-
+_TEMPORARY_NAME = re.compile(r"\.tmp-(group-\d{10}\.safetensors|fingerprint\.json)")
 
 def fingerprint(
     model_path: Path,
@@ -98,7 +123,8 @@ class _Group:
 
 
 class PrefixStore:
-    """Reads and writes one engine's cached blocks; every method runs on the engine thread."""
+    """Reads one engine's cached blocks at start-up and hands new ones to its writer
+    (engine/store_writer.py); every method runs on the engine thread."""
 
     def __init__(
         self,
@@ -106,31 +132,70 @@ class PrefixStore:
         print_: dict[str, str],
         max_bytes: int,
         kv_caches: list[LayerKVCache],
+        max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
+        """Takes the directory's lock; never raises (a directory it cannot use turns the
+        store OFF, another server holding it makes it READ_ONLY)."""
         self.root = directory
         self.fingerprint = print_
         self.directory = directory / _digest(print_)
-        self.max_bytes = max_bytes
         self.kv_caches = kv_caches
+        self.writer = StoreWriter(directory, self.directory, print_, max_bytes, max_pending_bytes)
+        self.holder: str | None = None  # READ_ONLY: the pid that holds the lock
+        self._block_bytes = _bytes_per_block(kv_caches)
         self._groups: dict[Path, _Group] = {}  # ours, oldest first
         self._on_disk: set[bytes] = set()
-        self._pending: list[NewBlock] = []
+        self._pending: dict[bytes, NewBlock] = {}  # no room for their copies yet
         self._next_seq = 0
         self._last_save = time.monotonic()
-        self._writes: queue.Queue[tuple[Path, dict[str, torch.Tensor]] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kvserve-store", daemon=True)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / "fingerprint.json").write_text(json.dumps(print_, indent=1))
-        self._writer.start()
+        self._lock_fd: int | None = None
+        self._open()
+        if self.state is StoreState.WRITING:
+            self.writer.start()
+
+    @property
+    def state(self) -> StoreState:
+        return self.writer.state
+
+    @property
+    def num_errors(self) -> int:
+        """Errors that turned the store off since start."""
+        return self.writer.num_errors
+
+    def _open(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd, self.holder = try_lock(self.root / LOCK_NAME)
+            if self._lock_fd is None:
+                self.writer.state = StoreState.READ_ONLY
+                logger.warning(
+                    "prefix cache store %s is held by another server (pid %s): this one loads "
+                    "it at start-up and writes nothing", self.root, self.holder,
+                )  # fmt: skip
+                return
+            self.directory.mkdir(exist_ok=True)
+            temporary = self.directory / ".tmp-fingerprint.json"
+            temporary.write_text(json.dumps(self.fingerprint, indent=1))
+            os.replace(temporary, self.directory / "fingerprint.json")
+        except Exception as exc:  # noqa: BLE001 - the server starts without the store
+            self.writer.fail(exc, "opening the directory")
 
     # ------------------------------------------------------------------ start-up
     def load(self, cache_manager: KVCacheManager) -> int:
-        """Load the matching groups as cold cached blocks; returns the number of blocks."""
+        """Load the matching groups as cold cached blocks; returns the number of blocks.
+        Never raises: an unexpected error drops what was loaded and turns the store off."""
+        if self.state is StoreState.OFF:
+            return 0
+        try:
+            return self._load(cache_manager)
+        except Exception as exc:  # noqa: BLE001
+            cache_manager.reset_prefix_cache()  # at start-up: only the blocks loaded here
+            self.writer.fail(exc, "loading")
+            return 0
+
+    def _load(self, cache_manager: KVCacheManager) -> int:
         self._report_other_stores(cache_manager)
-        for stale in self.directory.glob(".tmp-*"):
-            stale.unlink(missing_ok=True)
-        paths = sorted(self.directory.glob("group-*.safetensors"))
-        self._next_seq = 1 + max((int(p.stem.split("-")[1]) for p in paths), default=-1)
+        paths = self._scan()
         room, chosen = cache_manager.pool.num_free_blocks, []  # at start-up: all uncached
         for path in reversed(paths):  # newest first while blocks last
             group = self._read_keys(path)
@@ -146,12 +211,36 @@ class PrefixStore:
         )  # fmt: skip
         return num_loaded
 
+    def _scan(self) -> list[Path]:
+        """This fingerprint's group files, oldest first.  Anything else is left alone with a
+        warning, but for the temporary files of a write cut short while this server's
+        configuration held the lock (deleted when it holds it now)."""
+        if not self.directory.is_dir():
+            return []
+        groups = []
+        for entry in sorted(self.directory.iterdir()):
+            group = _GROUP_NAME.fullmatch(entry.name)
+            if group is not None:  # never reused, even when it is not ours
+                self._next_seq = max(self._next_seq, int(group[1]) + 1)
+            if entry.is_file() and group is not None:
+                groups.append(entry)
+            elif entry.is_file() and entry.name == "fingerprint.json":
+                continue
+            elif entry.is_file() and _TEMPORARY_NAME.fullmatch(entry.name):
+                if self.state is StoreState.WRITING:
+                    entry.unlink(missing_ok=True)
+            else:
+                logger.warning("prefix cache store: skipping %s (not a group file)", entry)
+        return groups
+
     def _report_other_stores(self, cache_manager: KVCacheManager) -> None:
         for other in sorted(self.root.glob("*/fingerprint.json")):
             if other.parent == self.directory:
                 continue
             try:
                 stored = json.loads(other.read_text())
+                if not isinstance(stored, dict):
+                    raise ValueError(f"it holds a JSON {type(stored).__name__}")
             except (OSError, ValueError) as exc:
                 logger.warning("prefix cache store %s: unreadable fingerprint (%s)", other, exc)
                 continue
@@ -176,17 +265,38 @@ class PrefixStore:
     def _read_keys(self, path: Path) -> _Group | None:
         try:
             with safe_open(str(path), framework="pt") as f:
-                keys = _rows(f.get_tensor("keys"))
-            return _Group(path, keys, path.stat().st_size)
+                foreign = self._foreign(path, f.metadata())
+                keys = [] if foreign else _rows(f.get_tensor("keys"))
+            size = path.stat().st_size
         except Exception as exc:  # noqa: BLE001 - a broken file never stops the server
             self._drop_broken(path, exc)
             return None
+        return None if foreign else _Group(path, keys, size)
+
+    def _foreign(self, path: Path, metadata: dict[str, str] | None) -> bool:
+        """Whether the fingerprint stored in a file differs from this engine's (warned)."""
+        try:
+            stored = json.loads((metadata or {}).get("fingerprint", "{}"))
+        except ValueError:
+            stored = {}
+        stored = stored if isinstance(stored, dict) else {}
+        reasons = differences(stored, self.fingerprint)
+        if reasons:
+            logger.warning(
+                "prefix cache store: %s not loaded, kept: the fingerprint it holds differs (%s)",
+                path, "; ".join(reasons),
+            )  # fmt: skip
+        return bool(reasons)
 
     def _load_group(self, group: _Group, cache_manager: KVCacheManager) -> int:
         try:
             with safe_open(str(group.path), framework="pt") as f:
+                if self._foreign(group.path, f.metadata()):  # replaced since _read_keys
+                    return 0
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
             self._check_shapes(tensors, len(group.keys))
+            if _rows(tensors["keys"]) != group.keys:
+                raise ValueError("its keys changed since they were read")
         except Exception as exc:  # noqa: BLE001
             self._drop_broken(group.path, exc)
             return 0
@@ -212,94 +322,21 @@ class PrefixStore:
                     raise ValueError(f"{layer}.{name} holds {stored.shape[0]} blocks")
 
     def _drop_broken(self, path: Path, exc: Exception) -> None:
-        logger.warning("prefix cache store: deleting %s, which does not read back (%s: %s)",
-                       path, type(exc).__name__, exc)  # fmt: skip
+        """A group that does not read back: deleted when it is ours, else only skipped."""
         self._groups.pop(path, None)
-        path.unlink(missing_ok=True)
+        ours = self.state is StoreState.WRITING and path.parent == self.directory
+        logger.warning("prefix cache store: %s %s, which does not read back (%s: %s)",
+                       "deleting" if ours else "skipping", path, type(exc).__name__, exc)  # fmt: skip
+        if ours:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
-    # ------------------------------------------------------------------ saving
-    def maybe_save(self, cache_manager: KVCacheManager, interval: float) -> None:
-        """Save the blocks cached since the last save once `interval` seconds have passed."""
-        if time.monotonic() - self._last_save >= interval:
-            self.save(cache_manager)
-
-    def save(self, cache_manager: KVCacheManager) -> int:
-        """Copy the K/V of newly cached blocks and queue them for writing; returns how many."""
-        self._last_save = time.monotonic()
-        self._pending.extend(cache_manager.take_new_blocks())
-        blocks = cache_manager.pool.blocks
-        todo = [
-            b for b in self._pending
-            if b.key not in self._on_disk and blocks[b.block_id].block_hash == b.key
-        ]  # fmt: skip
-        self._pending = []
-        for start in range(0, len(todo), MAX_GROUP_BLOCKS):
-            group = todo[start : start + MAX_GROUP_BLOCKS]
-            path = self.directory / f"group-{self._next_seq:010d}.safetensors"
-            self._next_seq += 1
-            self._writes.put((path, self._tensors(group)))
-            self._add_group(_Group(path, [b.key for b in group], 0))
-        return len(todo)
-
-    def _tensors(self, group: list[NewBlock]) -> dict[str, torch.Tensor]:
-        ids = torch.tensor([b.block_id for b in group], device=self.kv_caches[0].key.device)
-        tensors = {
-            f"{layer}.{name}": table.index_select(0, ids).cpu()
-            for layer, cache in enumerate(self.kv_caches)
-            for name, table in _tables(cache)
-        }
-        zeros = bytes(_HASH_BYTES)
-        tensors["keys"] = _hash_tensor([b.key for b in group])
-        tensors["contents"] = torch.tensor([b.content for b in group], dtype=torch.int64)
-        tensors["parents"] = _hash_tensor([b.parent_key or zeros for b in group])
-        tensors["token_ids"] = torch.tensor([b.token_ids for b in group], dtype=torch.int64)
-        return tensors
-
-    def _add_group(self, group: _Group) -> None:
-        self._groups[group.path] = group
-        self._on_disk.update(group.keys)
-
-    def _write_loop(self) -> None:
-        while (item := self._writes.get()) is not None:
-            path, tensors = item
-            temporary = path.with_name(f".tmp-{path.name}")
-            try:
-                save_file(tensors, str(temporary), metadata={"fingerprint": json.dumps(
-                    self.fingerprint)})  # fmt: skip
-                os.replace(temporary, path)
-                self._enforce_budget()
-            except OSError as exc:
-                logger.warning("prefix cache store: could not write %s (%s)", path, exc)
-                temporary.unlink(missing_ok=True)
-            finally:
-                self._writes.task_done()
-
-    def _enforce_budget(self) -> None:
-        """Delete the oldest groups (any fingerprint) while the directory exceeds the budget
-        (writer thread; `_on_disk` may keep a deleted group's keys until the next start)."""
-        files = sorted(self.root.glob("*/group-*.safetensors"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
-        for path in files:
-            if total <= self.max_bytes:
-                return
-            total -= path.stat().st_size
-            path.unlink(missing_ok=True)
-
-    def clear(self) -> None:
-        """Delete this engine's groups (a prefix cache reset), after the writes under way."""
-        self._writes.join()
-        for path in list(self._groups):
-            path.unlink(missing_ok=True)
-        self._groups.clear()
-        self._on_disk.clear()
-        self._pending.clear()
-
-    def close(self, cache_manager: KVCacheManager) -> None:
-        """Write every block not yet on disk and wait for the writer (a clean shutdown)."""
-        num = self.save(cache_manager)
-        self._writes.put(None)
-        self._writer.join()
-        logger.info("prefix cache store %s: %d new blocks written at shutdown", self.directory, num)
+##SAVING##
+def _bytes_per_block(kv_caches: list[LayerKVCache]) -> int:
+    """Bytes of one block's copies: its K/V (and scales) in every layer."""
+    return sum(
+        table[0].numel() * table.element_size() for cache in kv_caches for _, table in _tables(cache)
+    )
 
 
 def _tables(cache: LayerKVCache) -> list[tuple[str, torch.Tensor]]:

@@ -24,7 +24,7 @@ def check_stop_token(request: Request, max_model_len: int) -> RequestStatus | No
     if request.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and last in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
+        if last in params.stop_token_id_set:
             request.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
     if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:

@@ -39,9 +39,11 @@ class CacheLog:
         contents: Sequence[int],
         token_ids: Sequence[int],
         table: list[int],
+        num_unsalted: int,
     ) -> None:
         """Blocks `indices` of a request (its keys, contents, tokens, block table) were cached:
-        one BlockStored per run of consecutive blocks, and the blocks to persist."""
+        one BlockStored per run of consecutive blocks alike in saltedness (blocks from
+        `num_unsalted` on are keyed under the request's cache salt), and the blocks to persist."""
         size = self.block_size
         events = self._events
         for i in indices:
@@ -51,12 +53,17 @@ class CacheLog:
                 self._new_blocks.append(NewBlock(table[i], keys[i], contents[i], parent, tokens))
             if events is None:
                 continue
+            salted = i >= num_unsalted
             last = events[-1] if events else None
-            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+            if (
+                isinstance(last, BlockStored)
+                and last.block_hashes[-1] == parent
+                and last.salted == salted
+            ):
                 last.block_hashes.append(keys[i])
                 last.token_ids.extend(tokens)
             else:
-                events.append(BlockStored([keys[i]], parent, list(tokens), size))
+                events.append(BlockStored([keys[i]], parent, list(tokens), size, salted))
 
     def evicted(self, key: bytes) -> None:
         """A cached block was evicted to make room (consecutive evictions: one event)."""

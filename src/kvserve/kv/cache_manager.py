@@ -91,10 +91,13 @@ class KVCacheManager:
         enable_events: bool = False,
         track_new_blocks: bool = False,
         num_host_blocks: int = 0,
+        report_cross_salt_misses: bool = False,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts; `num_host_blocks` the
-        slots of the host tier (0: none)."""
+        slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
+        cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
+        nothing of each other)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key
@@ -105,7 +108,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
-        self._misses = MissClassifier(num_blocks)
+        self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
         self._log = CacheLog(block_size, enable_events, track_new_blocks)
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
 
@@ -359,7 +362,9 @@ class KVCacheManager:
                 [hashes.contents[i] for i in stored], [hashes.keys[i] for i in stored]
             )
         if stored and self._log.active:
-            self._log.stored(stored, hashes.keys, hashes.contents, token_ids, table)
+            unsalted = hashes.salted == hashes.namespace  # no cache_salt: every block
+            num_unsalted = len(hashes.keys) if unsalted else hashes.num_public
+            self._log.stored(stored, hashes.keys, hashes.contents, token_ids, table, num_unsalted)
 
     def _on_evict(self, block_id: int, key: bytes) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
@@ -416,7 +421,7 @@ class KVCacheManager:
     def note_isolated(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:
         """Tell the miss classifier that these contents were cached under these keys (another
         KV dtype's store), so that missing them counts as `isolated`."""
-        self._misses.record_cached(contents, keys)
+        self._misses.record_foreign(contents, keys)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first) and forget its table and hashes."""

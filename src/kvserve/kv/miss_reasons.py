@@ -5,9 +5,13 @@
                       computed: its logits are needed)
     evicted           the block was cached under this very key and has since been evicted (or
                       dropped by a reset)
-    isolated          the same tokens were cached recently under another key: another cache
-                      salt or another KV dtype (a store written with another --kv-cache-dtype)
+    isolated          the same tokens were cached recently under another key: another KV
+                      dtype (a store written with another --kv-cache-dtype), or, only when
+                      the operator asks (--enable-cross-salt-miss-reason), another cache salt
     never_seen        none of the above
+
+Another salt is not a reason by default: /metrics would then tell any client, block by block,
+whether a tenant under another salt sent the same prompt prefix.
 
 A full block after the first miss whose own key is still cached is unusable all the same (a
 hit must be a prefix); it gets the reason of the miss that broke the chain.
@@ -55,10 +59,19 @@ class _BoundedRecord(OrderedDict):
 class MissClassifier:
     """The records behind the reasons, and the classification of one lookup."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, report_cross_salt: bool = False) -> None:
         capacity = min(MAX_RECORD_ENTRIES, max(1024, 4 * num_blocks))
         self._removed = _BoundedRecord(capacity)  # key -> None
         self._shadow = _BoundedRecord(capacity)  # content hash -> key
+        self._foreign = _BoundedRecord(capacity)  # keys of another KV dtype's store -> None
+        self.report_cross_salt = report_cross_salt
+
+    def record_foreign(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:
+        """These contents were cached under these keys of another KV dtype (a store on disk):
+        missing them is `isolated` whatever `report_cross_salt` says."""
+        self.record_cached(contents, keys)
+        for key in keys:
+            self._foreign.put(key)
 
     def record_cached(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:
         """These blocks were cached (under these keys)."""
@@ -97,7 +110,7 @@ class MissClassifier:
                 last_key = shadow.get(contents[i])
                 if last_key == key or key in removed:
                     reason = _EVICTED
-                elif last_key is not None:
+                elif last_key is not None and (self.report_cross_salt or last_key in self._foreign):
                     reason = _ISOLATED
                 else:
                     reason = _NEVER_SEEN

@@ -44,12 +44,12 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes 
 
 
 def salted_namespace(namespace: bytes, cache_salt: str | None) -> bytes:
-    """The namespace of a request's non-public blocks (length-prefixed: no salt can forge
-    another dtype's namespace)."""
+    """The namespace of a request's non-public blocks: the salt's SHA-256 (fixed length, so no
+    salt can forge another dtype's namespace), computed once per request, so that hashing each
+    block costs the same whatever the salt's length."""
     if cache_salt is None:
         return namespace
-    salt = cache_salt.encode()
-    return namespace + b"\x00salt" + struct.pack("<I", len(salt)) + salt
+    return namespace + b"\x00salt" + hashlib.sha256(cache_salt.encode()).digest()
 
 
 class PublicPrefixes:

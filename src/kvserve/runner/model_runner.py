@@ -236,9 +236,9 @@ class ModelRunner:
         for row, r in enumerate(requests):
             params = r.sampling_params
             if r.num_output_tokens < params.min_tokens:
-                stop_ids = set(params.stop_token_ids) | (
-                    set() if params.ignore_eos else set(r.eos_token_ids)
-                )
+                stop_ids = params.stop_token_id_set
+                if not params.ignore_eos:
+                    stop_ids = stop_ids | r.eos_token_ids
                 if stop_ids:
                     banned.append((row, sorted(stop_ids)))
         params = [r.sampling_params for r in requests]

@@ -135,6 +135,7 @@ async def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespo
     if body.messages is not None:
         token_ids = await chat_token_ids(ctx, body.messages)
     else:
+        ctx.check_text(len(body.prompt), "prompt")
         token_ids = await tokenizers.encode(body.prompt, body.add_special_tokens)
     token_strs = None
     if body.return_token_strs:
@@ -182,7 +183,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         )
         server = uvicorn.Server(uv_config)
         async_llm.on_fatal = lambda _: _exit_soon(server)
-        async_llm.start()
+        async_llm.start(config.engine_stall_timeout)
         _log_ready(ctx, config, sock)
         with _signals_end_in_return():
             server.run(sockets=[sock])
@@ -223,7 +224,7 @@ def serving_context(
         "max_model_len": str(engine.max_model_len),
     }
     metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info)
-    return ServingContext(async_llm, name, metrics, limits, tokenizers)
+    return ServingContext(async_llm, name, metrics, limits, tokenizers, config.stream_stall_timeout)
 
 
 def _bind(host: str, port: int) -> socket.socket:

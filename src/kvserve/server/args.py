@@ -46,6 +46,22 @@ class ServerConfig:
             "On SIGTERM, seconds in-flight requests may take to finish before they are aborted."
         ),
     )
+    stream_stall_timeout: float = field(
+        default=60.0,
+        metadata=_help(
+            "Abort a streaming request (freeing its blocks) when its client has read nothing "
+            "for this many seconds while output waits; 0: never."
+        ),
+    )
+    engine_stall_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "When one engine step or command runs this many seconds (a hung collective, a "
+            "stuck store), /health answers 503, the reason is logged and the process exits "
+            "with status 1 for its supervisor to restart it; 0: never. A step is bounded by "
+            "--max-num-batched-tokens, so a long prompt is many short steps, not a stall."
+        ),
+    )
     disable_uvicorn_access_log: bool = field(
         default=False, metadata=_help("Do not log one line per HTTP request.")
     )
@@ -59,5 +75,9 @@ class ServerConfig:
             raise ParameterError("--log-stats-interval", "must be >= 0 seconds (0 turns it off)")
         if self.shutdown_timeout < 0:
             raise ParameterError("--shutdown-timeout", "must be >= 0 seconds")
+        if self.stream_stall_timeout < 0:
+            raise ParameterError("--stream-stall-timeout", "must be >= 0 seconds (0 turns it off)")
+        if self.engine_stall_timeout < 0:
+            raise ParameterError("--engine-stall-timeout", "must be >= 0 seconds (0 turns it off)")
         if self.api_key == "":
             raise ParameterError("--api-key", "must not be empty (omit it to serve without a key)")

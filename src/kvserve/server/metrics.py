@@ -57,6 +57,8 @@ class _EngineStatsCollector(Collector):
              s.prefix_cache_queries),
             (counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits),
+            (counter, "prefix_store_errors", "Errors that turned the --prefix-cache-dir store "
+             "off (serving goes on without it).", s.prefix_store_errors),
         ]  # fmt: skip
         yield from self._families(rows)
         misses = counter(
@@ -104,6 +106,9 @@ class _EngineStatsCollector(Collector):
              s.num_offloaded_blocks),
             (counter, "kv_loaded_blocks", "Blocks copied back from the host tier (its hits).",
              s.num_loaded_blocks),
+            (counter, "kv_events_dropped_batches", "KV event batches never published (the "
+             "queue was full or the socket failed): subscribers see a gap in the sequence.",
+             s.num_kv_events_dropped_batches),
         ]  # fmt: skip
         yield from self._families(rows)
 
@@ -159,20 +164,17 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Observes one request's outputs: first token, gaps between tokens, end."""
+    """Observes one request's DELTA outputs (as read): first token, gaps between tokens, end."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
         self._metrics = metrics
         self._arrival = arrival
         self._last: float | None = None
-        self._num_tokens: list[int] = []  # per sample, as last seen
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
         m = self._metrics
-        counts = [len(c.token_ids) for c in output.outputs]
-        seen = self._num_tokens or [0] * len(counts)
-        deltas = [count - before for count, before in zip(counts, seen, strict=True)]
+        deltas = [len(c.token_ids) for c in output.outputs]
         num_new = sum(deltas)
         if self._last is None:
             m.ttft.observe(now - self._arrival)
@@ -185,7 +187,7 @@ class RequestTracker:
         if num_new > 0:
             m.generation_tokens.inc(num_new)
             m.num_generation_tokens += num_new
-        self._last, self._num_tokens = now, counts
+        self._last = now
         if output.finished:
             m.e2e.observe(now - self._arrival)
             m.record_finished([c.finish_reason for c in output.outputs])

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from kvserve.config import RequestLimits
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvserve.errors import ParameterError, QueueFullError
-from kvserve.request import SamplingParams
+from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from kvserve.server.tokenization import ServerTokenizers
-from kvserve.step import RequestOutput
+from kvserve.step import RequestOutput, merge_deltas
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 RETRY_AFTER_S = "1"  # seconds a client told 429 should wait: the queue drains every step
@@ -35,6 +35,7 @@ class ServingContext:
     metrics: ServerMetrics
     limits: RequestLimits
     tokenizers: ServerTokenizers
+    stream_stall_timeout: float = 0.0  # --stream-stall-timeout; 0: never
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -64,9 +65,27 @@ class ServingContext:
             )
 
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(f"{field}: token id {bad} is not in [0, {self.vocab_size})", field)
+        """400 for more ids than a sequence can hold (checked first: O(1)) or an id outside
+        the vocabulary (min and max run in C: a scan of max_model_len ids takes microseconds
+        on the event loop)."""
+        if len(token_ids) > self.max_model_len:
+            raise APIError(
+                f"{field} holds {len(token_ids)} token ids, more than this model's maximum "
+                f"context length of {self.max_model_len} tokens",
+                field,
+            )
+        if not token_ids:
+            return
+        for bad in (min(token_ids), max(token_ids)):
+            if not 0 <= bad < self.vocab_size:
+                raise APIError(f"{field}: token id {bad} is not in [0, {self.vocab_size})", field)
+
+    def check_text(self, num_chars: int, field: str) -> None:
+        """400 for a text longer than --max-prompt-chars, before it is tokenized."""
+        try:
+            self.limits.check_prompt_chars(num_chars, field)
+        except ParameterError as exc:
+            raise APIError(str(exc), field) from None
 
     def check_fits(
         self, num_prompt_tokens: int, max_tokens: int, prompt_field: str, max_tokens_field: str
@@ -144,6 +163,10 @@ def sampling_params(
     SamplingParams names to request names).  top_k is capped at the vocabulary size, where it
     means "no top-k" anyway."""
     _reject_unsupported(request)
+    try:  # before building the params: their validation scans the ids
+        limits.check_stop_token_ids(len(request.stop_token_ids or ()))
+    except ParameterError as exc:
+        raise APIError(str(exc), exc.param) from None
     if request.seed is not None and not INT64_MIN <= request.seed <= INT64_MAX:
         raise APIError(f"seed must be a 64-bit integer, got {request.seed}", "seed")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
@@ -163,6 +186,7 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA,  # O(output) held per request (async_llm.py)
         )
         params.check_against(vocab_size, limits)
     except ParameterError as exc:
@@ -171,10 +195,16 @@ def sampling_params(
     return params
 
 
-def cache_salt_of(request: SamplingRequest) -> str | None:
-    """The request's cache_salt; an empty one is a 400 (it would look like no salt)."""
+def cache_salt_of(request: SamplingRequest, limits: RequestLimits) -> str | None:
+    """The request's cache_salt; an empty one is a 400 (it would look like no salt), and so
+    is one past --max-cache-salt-length."""
     if request.cache_salt is not None and not request.cache_salt:
         raise APIError("cache_salt must be a non-empty string (or omitted)", "cache_salt")
+    if request.cache_salt is not None:
+        try:
+            limits.check_cache_salt(request.cache_salt)
+        except ParameterError as exc:
+            raise APIError(str(exc), "cache_salt") from None
     return request.cache_salt
 
 
@@ -191,9 +221,12 @@ def _reject_unsupported(request: SamplingRequest) -> None:
             raise APIError(f"{name} is not supported by this server; omit it", name)
 
 
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+def usage_of(outputs: list[RequestOutput], completion: int | None = None) -> UsageInfo:
+    """Usage of whole (merged) outputs; a stream's finals are its last deltas, so it passes
+    its own count of `completion` tokens."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if completion is None:
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(
         prompt_tokens=prompt,
@@ -208,12 +241,13 @@ def new_id(prefix: str) -> str:
 
 
 async def collect_final(stream: RequestStream) -> RequestOutput:
-    """Read a stream to its end; the last output holds everything (outputs are cumulative)."""
-    final = None
+    """Read a stream of DELTA outputs to its end; the whole output, merged once."""
+    deltas = []
     async with stream:
         async for output in stream:
-            final = output
-    assert final is not None and final.finished
+            deltas.append(output)
+    final = merge_deltas(deltas)
+    assert final.finished
     return final
 
 

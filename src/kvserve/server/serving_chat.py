@@ -73,6 +73,7 @@ async def chat_token_ids(ctx: ServingContext, messages: list[ChatMessage]) -> li
     """Template the conversation on a tokenizer thread; a template that rejects it is the
     client's 400."""
     dicts = messages_to_dicts(messages)
+    ctx.check_text(sum(len(d["content"]) for d in dicts), "messages")
     try:
         return await ctx.tokenizers.chat(dicts)
     except Exception as exc:  # noqa: BLE001 - jinja raises for roles/orders it rejects
@@ -95,7 +96,7 @@ class ChatHandler(Handler):
         stand_in = ctx.max_model_len if max_tokens is None else max_tokens
         params = sampling_params(body, stand_in, top, renames, ctx.vocab_size, ctx.limits)
         ctx.limits.check_fanout(1, params.n)
-        cache_salt = cache_salt_of(body)
+        cache_salt = cache_salt_of(body, ctx.limits)
         token_ids = await chat_token_ids(ctx, body.messages)
         if max_tokens is None:  # OpenAI's default: whatever the context leaves
             max_tokens = max(1, ctx.max_model_len - len(token_ids))
@@ -104,7 +105,8 @@ class ChatHandler(Handler):
         request_id = new_id("chatcmpl")
         stream = await ctx.start(request_id, token_ids, params, cache_salt)
         if body.stream:
-            return SSEResponse(self._stream(request_id, body, params.n, stream), [stream])
+            events = self._stream(request_id, body, params.n, stream)
+            return SSEResponse(events, [stream], ctx.stream_stall_timeout)
         final = await cancel_on_disconnect(raw, collect_final(stream))
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -175,7 +177,7 @@ class ChatHandler(Handler):
                 yield sse(self._chunk(request_id, [choice]))
         options = body.stream_options
         if options is not None and options.include_usage and final is not None:
-            usage = usage_of([final])
+            usage = usage_of([final], tracker.num_tokens)
             yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
 
     def _chunk(self, request_id: str, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:

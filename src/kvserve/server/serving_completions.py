@@ -55,7 +55,7 @@ class CompletionsHandler(Handler):
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs, {}, ctx.vocab_size, ctx.limits)
         ctx.limits.check_fanout(len(_prompt_list(body.prompt)), params.n)  # before any tokenizing
-        cache_salt = cache_salt_of(body)
+        cache_salt = cache_salt_of(body, ctx.limits)
         prompts = await self._prompts(body)
         for prompt in prompts:
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
@@ -65,7 +65,7 @@ class CompletionsHandler(Handler):
         )
         if body.stream:
             events = self._stream(request_id, body, prompts, params, streams)
-            return SSEResponse(events, streams)
+            return SSEResponse(events, streams, ctx.stream_stall_timeout)
         finals = await cancel_on_disconnect(raw, collect_all(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -77,6 +77,7 @@ class CompletionsHandler(Handler):
         prompts = []
         for item in _prompt_list(body.prompt):
             if isinstance(item, str):
+                self.ctx.check_text(len(item), "prompt")
                 prompts.append(_Prompt(item, await self.ctx.tokenize(item) if item else []))
             else:
                 self.ctx.check_token_ids(item, "prompt")
@@ -165,7 +166,7 @@ class CompletionsHandler(Handler):
                 )
                 yield sse(self._chunk(request_id, [choice]))
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = usage_of([finals[i] for i in sorted(finals)])
+            usage = usage_of([finals[i] for i in sorted(finals)], tracker.num_tokens)
             yield sse(self._chunk(request_id, []).model_copy(update={"usage": usage}))
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice]) -> CompletionResponse:
