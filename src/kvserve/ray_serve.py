@@ -38,6 +38,7 @@ import ray
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -55,7 +56,7 @@ from kvserve.flags import (
 from kvserve.server.api_server import build_app as build_kvserve_app
 from kvserve.server.api_server import serving_context
 from kvserve.server.args import ServerConfig
-from kvserve.server.middleware import ApiKeyMiddleware, ASGIApp, BodyLimitMiddleware
+from kvserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from kvserve.server.tokenization import ServerTokenizers
 
 try:  # ray.serve.llm imports all of Ray's LLM stack (pyarrow, ...): without `ray[llm]`, take
@@ -143,16 +144,15 @@ def _text_pieces(value: Any) -> Iterator[str]:
         yield from _text_pieces(value.get("content", value.get("text")))
 
 
-def build_ingress_app(forward: Forward, config: ServerConfig) -> ASGIApp:
+def build_ingress_app(forward: Forward, config: ServerConfig) -> Starlette:
     """The HTTP entry as an ASGI app: `kvserve serve`'s API-key check (outermost, so that
     unauthenticated bodies are never read) and body limit around a handler that forwards every
-    route to `forward`.  Needs no Ray: Serve calls it through KVServeIngress, tests directly."""
+    route to `forward`.  A Starlette app, so that Serve can add its exception handlers (503 on
+    back-pressure).  Needs no Ray: Serve calls it through KVServeIngress, tests directly."""
+    middleware = [Middleware(ApiKeyMiddleware, api_key=config.api_key)] if config.api_key else []
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes))
     route = Route("/{path:path}", _handler(forward), methods=HTTP_METHODS)
-    app: ASGIApp = Starlette(routes=[route])
-    app = BodyLimitMiddleware(app, max_bytes=config.max_request_body_bytes)
-    if config.api_key:
-        app = ApiKeyMiddleware(app, api_key=config.api_key)
-    return app
+    return Starlette(routes=[route], middleware=middleware)
 
 
 def _handler(forward: Forward) -> Callable[[Request], Awaitable[Response]]:
@@ -176,7 +176,7 @@ class KVServeIngress:
         self.replicas = replicas
         self.config = config
 
-    def __serve_build_asgi_app__(self) -> ASGIApp:
+    def __serve_build_asgi_app__(self) -> Starlette:
         return build_ingress_app(self.replicas.forward.remote, self.config)
 
 

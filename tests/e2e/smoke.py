@@ -21,8 +21,8 @@ def reference_text() -> str:
     return llm.generate([PROMPT], params)[0].outputs[0].text
 
 
-def openai_smoke(base_url: str, reference: str) -> None:
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=120, max_retries=0)
+def openai_smoke(base_url: str, reference: str, api_key: str = "none") -> None:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                     temperature=0.0)  # fmt: skip

@@ -1,6 +1,7 @@
 """kvserve on Ray Serve (`serve run kvserve.ray_serve:build_app`), 2 replicas behind the
-prefix-aware router, on the session's Ray cluster (conftest.py): the openai-client smoke test,
-and requests sharing a prefix land on one replica, which reports their cached tokens."""
+prefix-aware router, on the session's Ray cluster (conftest.py), behind an API key: the
+openai-client smoke test, requests sharing a prefix (text or token ids) land on one replica,
+which reports their cached tokens, and a request without the key gets 401."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from kvserve.ray_serve import REPLICA_HEADER
 pytestmark = pytest.mark.ray
 
 ENGINE_ARGS = "--dtype float32 --kv-cache-memory 32MiB --max-model-len 512"
+API_KEY = "ray-serve-test-key"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 START_TIMEOUT_S = 180.0
 
 
@@ -35,7 +38,7 @@ def serve_url(tmp_path_factory, ray_env) -> Iterator[str]:
                    stdout=log, stderr=subprocess.STDOUT, check=True, timeout=120)  # fmt: skip
     process = subprocess.Popen(
         [ray_bin("serve"), "run", "kvserve.ray_serve:build_app", "num_replicas=2",
-         f"engine_args={ENGINE_ARGS}"],
+         f"engine_args={ENGINE_ARGS}", f"api_key={API_KEY}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
@@ -76,18 +79,23 @@ def wait_for_replicas(env: dict[str, str], num_replicas: int) -> None:
 
 def test_shared_prefixes_land_on_one_replica_with_cached_tokens(serve_url):
     # no common start, and long (~450 characters): the router finds no match for the first
-    # of "b" and sends it to the replica holding the fewest characters, not "a"'s
-    prefixes = {
+    # of "b" and sends it to the replica holding the fewest characters, not "a"'s.  "c" is a
+    # token-id prompt (96 shared tokens), which the router once divided by zero on.
+    prefixes: dict[str, str | list[int]] = {
         "a": "Pirate mode. Answer every question as a pirate would, with a parrot. " * 6,
         "b": "Librarians cite the shelf of every book they mention, always politely. " * 6,
+        "c": [(t * 7919) % 40000 + 100 for t in range(96)],
     }
-    seen: dict[str, list[tuple[str, int]]] = {"a": [], "b": []}
-    with httpx.Client(base_url=serve_url, timeout=120) as http:
+    seen: dict[str, list[tuple[str, int]]] = {group: [] for group in prefixes}
+    with httpx.Client(base_url=serve_url, timeout=120, headers=AUTH) as http:
         for i in range(3):
             for group, prefix in prefixes.items():
+                if isinstance(prefix, str):
+                    prompt: str | list[int] = f"{prefix}Question {i}: what is {i} + {i}?"
+                else:
+                    prompt = [*prefix, 1000 + i, 2000 + i]
                 response = http.post("/v1/completions", json={
-                    "prompt": f"{prefix}Question {i}: what is {i} + {i}?", "max_tokens": 2,
-                    "temperature": 0.0})  # fmt: skip
+                    "prompt": prompt, "max_tokens": 2, "temperature": 0.0})  # fmt: skip
                 assert response.status_code == 200, response.text
                 cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
                 seen[group].append((response.headers[REPLICA_HEADER], cached))
@@ -98,4 +106,10 @@ def test_shared_prefixes_land_on_one_replica_with_cached_tokens(serve_url):
 
 
 def test_ray_serve_passes_the_smoke_test(serve_url):
-    openai_smoke(serve_url, reference_text())
+    openai_smoke(serve_url, reference_text(), api_key=API_KEY)
+
+
+def test_without_the_key_the_app_answers_401_and_health_stays_open(serve_url):
+    response = httpx.post(f"{serve_url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{serve_url}/health", timeout=60).status_code == 200

@@ -199,7 +199,7 @@ def test_rays_router_reads_a_token_id_prompt_as_non_empty_text():
 def test_the_tree_stays_bounded_and_evicts_the_least_recently_routed():
     tree = BoundedPrefixTree(max_chars=100)  # cut back to 90 chars when over 100
     tree.add_tenants(["r0", "r1"], 0.0)
-    texts = [f"{i:02d}" + "abcdefghijklmnopqr" for i in range(20)]  # 20 chars each, distinct
+    texts = [chr(ord("A") + i) * 20 for i in range(20)]  # 20 chars each, no common prefix
     for t, text in enumerate(texts, start=1):
         tree.insert(text, "r0", float(t))
         tree.insert("shared-" + text[:2], "r1", float(t))
