@@ -17,8 +17,8 @@ from kvserve.engine.async_llm import (
     EngineDeadError,
     OutputCollector,
 )
-from kvserve.engine.watchdog import EngineStalledError
 from kvserve.engine.llm_engine import StepFailedError
+from kvserve.engine.watchdog import EngineStalledError
 from kvserve.errors import QueueFullError, RequestFailedError
 from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.step import CompletionOutput, RequestOutput, SchedulerStats

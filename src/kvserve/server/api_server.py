@@ -227,6 +227,9 @@ def serving_context(
     return ServingContext(async_llm, name, metrics, limits, tokenizers, config.stream_stall_timeout)
 
 
+SEND_BUFFER_BYTES = 256 * 1024  # ~5 MB/s per connection at a 50 ms round trip
+
+
 def _bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -234,6 +237,10 @@ def _bind(host: str, port: int) -> socket.socket:
         )[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Inherited by every accepted connection: a client that stops reading then blocks
+        # the server's sends after ~0.5 MiB (the kernel doubles it) instead of the several
+        # MiB autotuning reaches on loopback, so --stream-stall-timeout starts within seconds.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         sock.bind(address)
         sock.listen(2048)  # claim the port now: a second server fails here, not after loading
     except OSError as exc:

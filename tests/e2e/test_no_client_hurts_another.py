@@ -1,0 +1,202 @@
+"""Valid but careless or hostile requests, against a real server: a client that stops reading
+its stream (bounded memory, aborted after --stream-stall-timeout), each per-request work limit
+answered with a 400 naming the field, the most expensive request the limits allow beside a
+small one (at most 3x its idle latency, the same tokens), and an engine thread that hangs
+(/health 503, exit status 1).  After each fault the other requests get the tokens they got
+before it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e_server import SERVER_ARGS, ServerProcess, scrape, wait_for_idle
+
+from kvserve.bench.launcher import free_port, start_server
+
+HTTP_TIMEOUT_S = 180.0
+# The default --stream-stall-timeout (60 s) is the one under test.  512 MiB of float32 KV holds
+# the stalled request's 8 sequences for the minute it runs.
+ARGS = ["--max-model-len", "4200", "--kv-cache-memory", "512MiB"]
+SMALL = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0,
+         "ignore_eos": True}  # fmt: skip
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def server(server_factory) -> ServerProcess:
+    server = server_factory(*ARGS)
+    server.wait_healthy()
+    return server
+
+
+def small_request(http: httpx.Client) -> tuple[float, list[str]]:
+    """(seconds, the tokens' texts) of one 16-token greedy request."""
+    started = time.perf_counter()
+    response = http.post("/v1/completions", json={**SMALL, "logprobs": 0})
+    elapsed = time.perf_counter() - started
+    assert response.status_code == 200, response.text
+    return elapsed, response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_stops_reading_holds_bounded_memory_and_is_aborted(server, http):
+    _, reference = small_request(http)
+    body = {"prompt": "Once upon a time", "n": 8, "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 1.0, "stream": True}  # fmt: skip
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(json.dumps(body))}\r\n\r\n{json.dumps(body)}"
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills in a second
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        sock.sendall(request)  # and never read
+        deadline = time.monotonic() + 30
+        while scrape(server.base_url)["kvserve:num_requests_running"] < 8:
+            assert time.monotonic() < deadline, "the 8 sequences never ran"
+            time.sleep(0.5)
+        time.sleep(3)  # steady decoding
+        baseline = peak = rss_bytes(server.process.pid)
+        deadline = time.monotonic() + 120
+        while scrape(server.base_url)["kvserve:num_requests_running"] > 0:
+            assert time.monotonic() < deadline, "the stalled stream was never aborted"
+            peak = max(peak, rss_bytes(server.process.pid))
+            time.sleep(2)
+        waited = time.monotonic() - deadline + 120 + 3
+    finally:
+        sock.close()
+    # the default 60 s of no progress, counted once the socket buffers are full (seconds)
+    assert 60 <= waited <= 110, waited
+    assert peak - baseline < 64 * MIB, (baseline / MIB, peak / MIB)
+    assert wait_for_idle(server.base_url)["kvserve:kv_cache_usage_perc"] == 0
+    assert "--stream-stall-timeout" in server.log()
+    assert small_request(http)[1] == reference  # nothing else was disturbed
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1025))},
+         "stop_token_ids", "--max-stop-token-ids"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1_000_000))},
+         "stop_token_ids", "--max-stop-token-ids"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "s" * 1025}, "cache_salt",
+         "--max-cache-salt-length"),
+        ("/v1/completions", {"prompt": "a" * (MIB + 1)}, "prompt", "--max-prompt-chars"),
+        ("/v1/completions", {"prompt": [1] * 4201}, "prompt", "4200"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (MIB + 1)}]},
+         "messages", "--max-prompt-chars"),
+        ("/tokenize", {"prompt": "a" * (MIB + 1)}, "prompt", "--max-prompt-chars"),
+        ("/detokenize", {"tokens": [1] * 4201}, "tokens", "4200"),
+    ],
+)  # fmt: skip
+def test_work_limits_are_400s_naming_the_field(http, path, body, param, fragment):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+
+
+def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server, http):
+    idle = [small_request(http) for _ in range(3)]
+    expensive = {
+        "prompt": "Write a long story about a lighthouse keeper. " * 20,
+        "n": 16, "max_tokens": 400, "min_tokens": 64, "temperature": 1.0, "logprobs": 20,
+        "stop_token_ids": list(range(1000, 2024)), "cache_salt": "s" * 1024,
+        "stop": [chr(0x4E00 + i) * 256 for i in range(16)], "stream": True,
+    }  # fmt: skip
+    started = threading.Event()
+    failures: list[str] = []
+
+    def run_expensive() -> None:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=expensive,
+                          timeout=HTTP_TIMEOUT_S) as response:  # fmt: skip
+            if response.status_code != 200:
+                failures.append(response.read().decode()[:300])
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+        started.set()
+
+    worker = threading.Thread(target=run_expensive)
+    worker.start()
+    try:
+        assert started.wait(60) and not failures, failures
+        busy = [small_request(http) for _ in range(3)]
+        still_running = scrape(server.base_url)["kvserve:num_requests_running"] > 1
+    finally:
+        worker.join()
+    assert still_running, "the expensive request ended before the small ones were measured"
+    idle_s = statistics.median(t for t, _ in idle)
+    busy_s = statistics.median(t for t, _ in busy)
+    assert busy_s <= 3 * idle_s, (idle_s, busy_s)
+    assert {tuple(tokens) for _, tokens in idle + busy} == {tuple(idle[0][1])}
+
+
+# ---------------------------------------------------------------------- a hung engine thread
+POISON = 4243
+
+
+@pytest.fixture(scope="module")
+def hanging(tmp_path_factory) -> ServerProcess:
+    port = free_port()
+    script = Path(__file__).with_name("faulty_server.py")
+    command = [sys.executable, str(script), "serve", "--port", str(port), *SERVER_ARGS,
+               "--engine-stall-timeout", "3"]  # fmt: skip
+    env = {**os.environ, "KVSERVE_TEST_POISON_TOKEN": str(POISON), "KVSERVE_TEST_POISON_HANG": "1"}
+    env.pop("KVSERVE_API_KEY", None)
+    server = start_server(command, port, tmp_path_factory.mktemp("hanging"), env)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_hung_engine_makes_health_503_and_the_process_exit_1(hanging):
+    with httpx.Client(base_url=hanging.base_url, timeout=60) as http:
+        assert http.post("/v1/completions", json=SMALL).status_code == 200
+        threading.Thread(  # its step never returns
+            target=lambda: _ignore_errors(http.post, "/v1/completions",
+                                          json={"prompt": [1, POISON], "max_tokens": 2}),
+            daemon=True,
+        ).start()  # fmt: skip
+        started = time.monotonic()
+        statuses = []
+        while time.monotonic() - started < 30:
+            try:
+                statuses.append(httpx.get(f"{hanging.base_url}/health", timeout=2).status_code)
+            except httpx.TransportError:
+                break  # the process is going down
+            if statuses[-1] == 503:
+                break
+            time.sleep(0.2)
+    # Unhealthy from the verdict on; the exit follows within milliseconds, so a probe sees a
+    # 503 or a closed port, never a 200 after the stall.
+    assert hanging.process.wait(timeout=30) == 1
+    assert time.monotonic() - started < 40
+    log = hanging.log()
+    assert "--engine-stall-timeout" in log and "exiting with status 1" in log
+
+
+def _ignore_errors(fn, *args, **kwargs) -> None:  # noqa: ANN001
+    try:
+        fn(*args, **kwargs)
+    except httpx.HTTPError:
+        pass
