@@ -81,9 +81,9 @@ def test_the_size_budget_deletes_the_oldest_groups(tmp_path):
     store = PrefixStore(tmp_path, PRINT, 2**30, caches)
     cache_prompt(caches, manager, "a", list(range(9)))
     store.save(manager)
-    store._writes.join()
+    store.writer.join()
     [first] = tmp_path.glob("*/group-*.safetensors")
-    store.max_bytes = first.stat().st_size + 1  # room for one group
+    store.writer.max_bytes = first.stat().st_size + 1  # room for one group
     os.utime(first, (1, 1))  # unmistakably the oldest
     cache_prompt(caches, manager, "b", list(range(50, 59)))
     store.close(manager)

@@ -75,6 +75,7 @@ LOCK_NAME = "kvserve.lock"
 _HASH_BYTES = 32
 _TEMPORARY_NAME = re.compile(r"\.tmp-(group-\d{10}\.safetensors|fingerprint\.json)")
 
+
 def fingerprint(
     model_path: Path,
     compute_dtype: str,
@@ -219,7 +220,7 @@ class PrefixStore:
             return []
         groups = []
         for entry in sorted(self.directory.iterdir()):
-            group = _GROUP_NAME.fullmatch(entry.name)
+            group = GROUP_NAME.fullmatch(entry.name)
             if group is not None:  # never reused, even when it is not ours
                 self._next_seq = max(self._next_seq, int(group[1]) + 1)
             if entry.is_file() and group is not None:
@@ -325,17 +326,129 @@ class PrefixStore:
         """A group that does not read back: deleted when it is ours, else only skipped."""
         self._groups.pop(path, None)
         ours = self.state is StoreState.WRITING and path.parent == self.directory
-        logger.warning("prefix cache store: %s %s, which does not read back (%s: %s)",
-                       "deleting" if ours else "skipping", path, type(exc).__name__, exc)  # fmt: skip
+        logger.warning(
+            "prefix cache store: %s %s, which does not read back (%s: %s)",
+            "deleting" if ours else "skipping", path, type(exc).__name__, exc,
+        )  # fmt: skip
         if ours:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
 
-##SAVING##
+    # ------------------------------------------------------------------ saving
+    def maybe_save(self, cache_manager: KVCacheManager, interval: float) -> None:
+        """Save the blocks cached since the last save once `interval` seconds have passed."""
+        if time.monotonic() - self._last_save >= interval:
+            self.save(cache_manager)
+
+    def save(self, cache_manager: KVCacheManager, wait: float = 0.0) -> int:
+        """Copy the K/V of newly cached blocks and queue them for writing; returns how many.
+        Blocks over max_pending_bytes stay pending (ids only) for the next save; `wait`
+        seconds (shutdown) are given to the writer to make room for each group.  Not
+        WRITING: the new blocks are dropped (counted as not written)."""
+        self._last_save = time.monotonic()
+        new_blocks = cache_manager.take_new_blocks()  # taken always: the list never grows
+        if self.state is not StoreState.WRITING:
+            self.writer.count_not_written(len(new_blocks))
+            return 0
+        try:
+            return self._queue_writes(new_blocks, cache_manager, wait)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the copies
+            self.writer.fail(exc, "copying blocks for the writer")
+            return 0
+
+    def _queue_writes(
+        self, new_blocks: list[NewBlock], cache_manager: KVCacheManager, wait: float
+    ) -> int:
+        self._pending.update((b.key, b) for b in new_blocks)
+        blocks = cache_manager.pool.blocks
+        todo = [
+            b for b in self._pending.values()
+            if b.key not in self._on_disk and blocks[b.block_id].block_hash == b.key
+        ]  # fmt: skip
+        self._pending = {}
+        for start in range(0, len(todo), MAX_GROUP_BLOCKS):
+            group = todo[start : start + MAX_GROUP_BLOCKS]
+            num_bytes = len(group) * self._block_bytes
+            if not self.writer.reserve(len(group), num_bytes, wait):
+                self._pending = {b.key: b for b in todo[start:]}
+                return start
+            path = self.directory / f"group-{self._next_seq:010d}.safetensors"
+            self._next_seq += 1
+            self.writer.put(GroupWrite(path, self._tensors(group), len(group), num_bytes))
+            self._add_group(_Group(path, [b.key for b in group], 0))
+        return len(todo)
+
+    def _tensors(self, group: list[NewBlock]) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([b.block_id for b in group], device=self.kv_caches[0].key.device)
+        tensors = {
+            f"{layer}.{name}": table.index_select(0, ids).cpu()
+            for layer, cache in enumerate(self.kv_caches)
+            for name, table in _tables(cache)
+        }
+        zeros = bytes(_HASH_BYTES)
+        tensors["keys"] = _hash_tensor([b.key for b in group])
+        tensors["contents"] = torch.tensor([b.content for b in group], dtype=torch.int64)
+        tensors["parents"] = _hash_tensor([b.parent_key or zeros for b in group])
+        tensors["token_ids"] = torch.tensor([b.token_ids for b in group], dtype=torch.int64)
+        return tensors
+
+    def _add_group(self, group: _Group) -> None:
+        self._groups[group.path] = group
+        self._on_disk.update(group.keys)
+
+    # ------------------------------------------------------------------ reset, shutdown
+    def clear(self) -> None:
+        """Forget this engine's groups; the writer deletes their files after the write under
+        way (queued writes are dropped).  Never waits for the writer: a reset answers at once
+        whatever the writer is doing."""
+        paths = list(self._groups)
+        self._groups.clear()
+        self._on_disk.clear()
+        self._pending.clear()
+        if self.state is StoreState.WRITING:
+            self.writer.drop_queued()
+            self.writer.put(GroupDeletion(paths))
+        elif paths:
+            logger.warning("prefix cache store %s is %s: its files are kept",
+                           self.root, self.state.value)  # fmt: skip
+
+    def close(self, cache_manager: KVCacheManager) -> None:
+        """Write every block not yet on disk, wait for the writer while it makes progress,
+        release the lock and log what was and was not written (a clean shutdown)."""
+        num_before = self.writer.counts().num_written
+        self.save(cache_manager, wait=WRITER_STALL_S)
+        finished = self.writer.stop(0.0 if self._pending else WRITER_STALL_S)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
+        counts = self.writer.counts()
+        num_written = counts.num_written - num_before
+        num_lost = counts.num_not_written + counts.num_queued + len(self._pending)
+        if num_lost == 0:
+            logger.info("prefix cache store %s: %d new blocks written at shutdown",
+                        self.directory, num_written)  # fmt: skip
+            return
+        logger.warning(
+            "prefix cache store %s: %d new blocks written at shutdown, %d cached blocks not "
+            "written (%s)", self.directory, num_written, num_lost, self._why(finished),
+        )  # fmt: skip
+
+    def _why(self, finished: bool) -> str:
+        if self.state is StoreState.READ_ONLY:
+            return f"the directory is held by pid {self.holder}"
+        if self.state is StoreState.OFF:
+            return "the store was turned off by an error"
+        if not finished:
+            return f"the writer finished nothing for {WRITER_STALL_S:.0f} s"
+        return f"no room for their copies within {WRITER_STALL_S:.0f} s"
+
+
 def _bytes_per_block(kv_caches: list[LayerKVCache]) -> int:
     """Bytes of one block's copies: its K/V (and scales) in every layer."""
     return sum(
-        table[0].numel() * table.element_size() for cache in kv_caches for _, table in _tables(cache)
+        table[0].numel() * table.element_size()
+        for cache in kv_caches
+        for _, table in _tables(cache)
     )
 
 

@@ -178,14 +178,13 @@ class StoreWriter:
             try:
                 if self.writing and isinstance(item, GroupWrite):
                     self._write(item)
+                    self._enforce_budget()
                 elif self.writing:
                     self._delete(item)
                 elif isinstance(item, GroupWrite):
                     self.count_not_written(item.num_blocks)
             except Exception as exc:  # noqa: BLE001 - any error: the store turns off
-                if isinstance(item, GroupWrite):
-                    self.count_not_written(item.num_blocks)
-                self.fail(exc, f"writing {getattr(item, 'path', self.directory)}")
+                self.fail(exc, _doing(item))
             finally:
                 self._release(item)
                 self._queue.task_done()
@@ -196,12 +195,12 @@ class StoreWriter:
             save_file(item.tensors, str(temporary), metadata=self._metadata)
             os.replace(temporary, item.path)
         except BaseException:
+            self.count_not_written(item.num_blocks)
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
             raise
         with self._room:
             self._num_written += item.num_blocks
-        self._enforce_budget()
 
     def _delete(self, item: GroupDeletion) -> None:
         if not self.directory.is_dir():
@@ -231,6 +230,12 @@ class StoreWriter:
                 self._num_queued_bytes -= item.num_bytes
                 self._num_queued_blocks -= item.num_blocks
                 self._room.notify_all()
+
+
+def _doing(item: GroupWrite | GroupDeletion) -> str:
+    if isinstance(item, GroupWrite):
+        return f"writing {item.path} (or keeping the size budget)"
+    return f"deleting {len(item.paths)} groups (a reset)"
 
 
 def try_lock(path: Path) -> tuple[int | None, str | None]:
