@@ -22,7 +22,8 @@ from kvserve.bench.launcher import free_port, start_server
 
 HI = [{"role": "user", "content": "hi"}]
 LIMIT_ARGS = ["--max-num-seqs", "4", "--max-waiting-requests", "4", "--max-prompts-per-request",
-              "8", "--max-sequences-per-request", "16", "--dtype", "float32"]  # fmt: skip
+              "8", "--max-sequences-per-request", "16", "--dtype", "float32",
+              "--max-prompt-chars", str(16 * 2**20)]  # a 15 MiB prompt to tokenize  # fmt: skip
 
 
 @pytest.fixture(scope="module")
