@@ -1,17 +1,22 @@
 """The prefix cache as a store, through real servers on the embedded model: cache salts and
 public prefixes, POST /reset_prefix_cache, miss reasons with exact token counts, KV events read
 by a real ZMQ subscriber and decoded as vLLM's own subscriber decodes them, the store on disk
-surviving a SIGTERM restart, a KV dtype change that does not load it, and the 8-bit KV check.
+surviving a SIGTERM restart, a KV dtype change that does not load it, the 8-bit KV check, and
+a store directory that turns into a file while serving.
 
-One server (A) runs the first tests; then it is stopped and two start at once on its store:
-B (same configuration, behind an API key) and C (--kv-cache-dtype int8).
+One server (A) runs the first tests; then it is stopped and two start on its store: B (same
+configuration, behind an API key), which takes the store's lock, then C (--kv-cache-dtype
+int8), which only reads the store.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -30,24 +35,31 @@ SMALL = ["--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
 REASONS = ("below_block_size", "isolated", "evicted", "never_seen")
 
 
-# vLLM's event classes (vllm/distributed/kv_events.py) in their field order, as its subscribers
-# declare them: array_like Structs, each event tagged with its class name.
-_EVENT = {"array_like": True, "omit_defaults": True, "gc": False, "tag": True}
+# vLLM 0.32's event classes (vllm/distributed/kv_events.py) in their field order, as its
+# subscribers declare them: an array_like batch, each event a map tagged with its class name,
+# block hashes of vLLM's ExternalBlockHash (bytes | int).
+_EVENT = {"omit_defaults": True, "gc": False, "tag": True}
+_HASH = bytes | int
 BlockStored = msgspec.defstruct(
     "BlockStored",
-    [("block_hashes", list[int]), ("parent_block_hash", int | None), ("token_ids", list[int]),
-     ("block_size", int), ("lora_id", int | None), ("medium", str | None)],
+    [("block_hashes", list[_HASH]), ("parent_block_hash", _HASH | None),
+     ("token_ids", list[int]), ("block_size", int), ("lora_id", int | None),
+     ("medium", str | None), ("lora_name", str | None),
+     ("extra_keys", list[tuple[Any, ...] | None] | None, None), ("group_idx", int | None, None),
+     ("kv_cache_spec_kind", str | None, None), ("kv_cache_spec_sliding_window", int | None, None)],
     **_EVENT,
 )  # fmt: skip
 BlockRemoved = msgspec.defstruct(
-    "BlockRemoved", [("block_hashes", list[int]), ("medium", str | None)], **_EVENT
+    "BlockRemoved",
+    [("block_hashes", list[_HASH]), ("medium", str | None), ("group_idx", int | None, None)],
+    **_EVENT,
 )
 AllBlocksCleared = msgspec.defstruct("AllBlocksCleared", [], **_EVENT)
 KVEventBatch = msgspec.defstruct(
     "KVEventBatch",
     [("ts", float), ("events", list[BlockStored | BlockRemoved | AllBlocksCleared]),
      ("data_parallel_rank", int | None, None)],
-    array_like=True, omit_defaults=True,
+    array_like=True, omit_defaults=True, gc=False,
 )  # fmt: skip
 
 
@@ -212,7 +224,7 @@ def receive(subscriber, want, timeout: float = 15.0) -> list:
     raise AssertionError(f"no matching event in {seen!r:.2000}")
 
 
-def test_kv_events_reach_a_zmq_subscriber(http, subscriber):
+def test_kv_events_reach_a_zmq_subscriber(http, server_a, subscriber):
     prompt = token_prompt(4, 40)  # caches 2 full blocks
     completion(http, prompt)
 
@@ -222,8 +234,19 @@ def test_kv_events_reach_a_zmq_subscriber(http, subscriber):
     stored = next(e for e in receive(subscriber, ours) if ours(e))
     assert len(stored.block_hashes) == 2 and stored.parent_block_hash is None
     assert stored.block_size == BLOCK and stored.lora_id is None and stored.medium == "CPU"
+    assert stored.extra_keys == [None, None] and stored.group_idx == 0
+    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in stored.block_hashes)
+    completion(http, prompt, "tenant-e")  # the same blocks under a salt: no token ids
+
+    def salted(event) -> bool:
+        return isinstance(event, BlockStored) and event.token_ids == []
+
+    tenant = next(e for e in receive(subscriber, salted) if salted(e))
+    assert len(tenant.block_hashes) == 2
+    assert not set(tenant.block_hashes) & set(stored.block_hashes)  # the salt's own keys
     http.post("/reset_prefix_cache")
     receive(subscriber, lambda e: isinstance(e, AllBlocksCleared | BlockRemoved))
+    assert scrape(server_a.base_url)["kvserve:kv_events_dropped_batches_total"] == 0
 
 
 RESTART_PROMPT = token_prompt(5, 50)
@@ -232,11 +255,15 @@ RESTART_PROMPT = token_prompt(5, 50)
 @pytest.fixture(scope="module")
 def restarted(server_factory, server_a, http, files) -> tuple[ServerProcess, ServerProcess]:
     """A caches RESTART_PROMPT and stops (SIGTERM); B (same flags, an API key) and C (int8 KV)
-    start on its store at the same time."""
+    start on its store, C once B holds the store's lock."""
     completion(http, RESTART_PROMPT)
     assert server_a.stop() == 0
     assert "new blocks written at shutdown" in server_a.log()
     b = server_factory(*store_args(files), "--api-key", "secret")
+    deadline = time.monotonic() + 120
+    while "cached blocks from" not in b.log():  # B's store is open: it holds the lock
+        assert b.process.poll() is None and time.monotonic() < deadline, b.log()[-4000:]
+        time.sleep(0.2)
     c = server_factory(*store_args(files), "--kv-cache-dtype", "int8")
     b.wait_healthy()
     c.wait_healthy()
@@ -257,9 +284,48 @@ def test_another_kv_dtype_does_not_load_the_store(restarted):
     _, c = restarted
     log = c.log()
     assert "kv_cache_dtype: stored float32, now int8" in log
+    assert f"held by another server (pid {restarted[0].process.pid})" in log  # B writes it
     assert "KV cache dtype check: int8 vs float32" in log and ": pass" in log
     before = misses(c.base_url)
     with client(c) as http_c:
         assert completion(http_c, RESTART_PROMPT) == 0
     assert delta(misses(c.base_url), before)["isolated"] == 48  # cached under float32 KV
     assert scrape(c.base_url)["kvserve:prefix_cache_hits_total"] == 0
+
+
+def greedy_text(http: httpx.Client, prompt: list[int], max_tokens: int = 8) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_a_store_directory_replaced_by_a_file_while_serving(restarted, files):
+    """B's store directory becomes a file: requests (one under way) finish with the same
+    tokens, a reset answers at once, the store turns off and says so, the error is counted,
+    and the shutdown says what was not written."""
+    b, _ = restarted
+    prompts = [token_prompt(6, 40), token_prompt(7, 40)]
+    with client(b, api_key="secret") as http_b:
+        before = [greedy_text(http_b, p) for p in prompts]
+        long_before = greedy_text(http_b, prompts[0], 48)
+        under_way: list[str] = []
+        request = threading.Thread(
+            target=lambda: under_way.append(greedy_text(http_b, prompts[0], 48))
+        )
+        request.start()
+        shutil.rmtree(files["store"])
+        files["store"].write_text("not a directory")
+        started = time.monotonic()
+        assert http_b.post("/reset_prefix_cache").status_code == 200
+        assert time.monotonic() - started < 1.0
+        request.join()
+        deadline = time.monotonic() + 15
+        while scrape(b.base_url)["kvserve:prefix_store_errors_total"] < 1:
+            assert time.monotonic() < deadline, "the store's error is counted"
+            greedy_text(http_b, token_prompt(8, 20), 1)  # a step refreshes the stats
+        assert [greedy_text(http_b, p) for p in prompts] == before
+    assert under_way == [long_before]
+    assert f"prefix cache store {files['store']} is off" in b.log()
+    assert b.stop() == 0
+    assert "cached blocks not written (the store was turned off by an error)" in b.log()

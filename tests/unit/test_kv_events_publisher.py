@@ -4,6 +4,7 @@ dropped batch counted and seen as a gap, the localhost default, bad options name
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -11,14 +12,8 @@ import pytest
 import zmq
 
 from kvserve.config import KVEventsConfig, parse_kv_events_config
-from kvserve.engine.kv_events import (
-    END_SEQ,
-    ReplayBuffer,
-    ZmqEventPublisher,
-    binds,
-    external_hash,
-    to_wire,
-)
+from kvserve.engine.kv_event_wire import external_hash, to_wire
+from kvserve.engine.kv_events import END_SEQ, ReplayBuffer, ZmqEventPublisher, binds
 from kvserve.errors import ParameterError
 from kvserve.kv import events
 from kvserve.kv.cache_manager import KVCacheManager
@@ -103,20 +98,24 @@ def first_message(publisher: ZmqEventPublisher, sub: zmq.Socket, batch: list) ->
 def replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
     """[sequence, payload] of every answer to one replay request, the end marker included."""
     dealer = context.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
-    frames = []
-    while not frames or frames[-1][0] != END_SEQ:
-        assert dealer.poll(5000), "the replay socket did not answer"
-        frames.append(dealer.recv_multipart()[1:])
-    return frames
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        frames = []
+        while not frames or frames[-1][0] != END_SEQ:
+            assert dealer.poll(5000), "the replay socket did not answer"
+            frames.append(dealer.recv_multipart()[1:])
+        return frames
+    finally:
+        dealer.close(linger=0)
 
 
-def replay_once_sent(context: zmq.Context, endpoint: str, start: int, last: int) -> list:
-    """`replay` from `start`, once batch `last` was sent (the publisher thread sends late)."""
-    while len(replay(context, endpoint, last)) < 2:
-        pass
-    return replay(context, endpoint, start)
+def wait_sent(context: zmq.Context, endpoint: str, seq: int) -> None:
+    """Until batch `seq` was sent (the publisher thread sends a little later)."""
+    deadline = time.monotonic() + 10
+    while len(replay(context, endpoint, seq)) < 2:
+        assert time.monotonic() < deadline, f"batch {seq} was never sent"
+        time.sleep(0.01)
 
 
 def test_payloads_decode_as_vllms_kv_event_batch(tmp_path, context):
@@ -200,7 +199,8 @@ def test_one_replay_request_gets_at_most_replay_max_batches(tmp_path, context):
     try:
         for i in range(6):
             publisher.publish([events.BlockRemoved([bytes([i]) * 32])])
-        frames = replay_once_sent(context, config.replay_endpoint, 0, 5)
+        wait_sent(context, config.replay_endpoint, 5)
+        frames = replay(context, config.replay_endpoint, 0)
         seqs = [int.from_bytes(seq, "big", signed=True) for seq, _ in frames]
         assert seqs[-1] == -1 and frames[-1][1] == b"" and len(seqs) == 3
         assert seqs[:2] == [2, 3]  # buffer_steps (4) kept: 0 and 1 are gone
@@ -220,8 +220,10 @@ def test_a_full_queue_drops_and_counts_the_batch_and_leaves_a_gap(tmp_path, cont
             publisher.publish([events.BlockRemoved([bytes([i]) * 32])])
         assert publisher.num_dropped == 2
         publisher.start()
+        wait_sent(context, config.replay_endpoint, 0)  # the queue has room again
         publisher.publish([events.AllBlocksCleared()])
-        frames = replay_once_sent(context, config.replay_endpoint, 0, 3)
+        wait_sent(context, config.replay_endpoint, 3)
+        frames = replay(context, config.replay_endpoint, 0)
         assert [int.from_bytes(s, "big", signed=True) for s, _ in frames] == [0, 3, -1]
     finally:
         publisher.shutdown()
