@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 17): on one GPU machine, from a copy of the repository, with
+# The prepared GPU check: on one GPU machine, from a copy of the repository, with
 # nothing downloaded, in under 8 minutes:
 #   1. find a Python that imports torch (and report what else it has) -> env.json
 #   2. the CUDA parity tests (tests/gpu/test_cuda_parity.py, and the
@@ -10,7 +10,7 @@
 #
 #   benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]
 #
-# OUT_DIR defaults to $OUT (the device tool's folder that comes back), else
+# OUT_DIR defaults to $OUT when it is set, else
 # results/gpu_check.  --dry-run runs the same steps tiny on a CPU (the parity tests with
 # KVSERVE_GPU_CHECK_DRY_RUN=1), so the script is known to run before a GPU is spent on it.
 # PYTHON=/path/to/python picks the interpreter; GPU_CHECK_GGUF=/path/to/model.gguf gives the

@@ -3,7 +3,7 @@
 with the weights, dtype and threads kvserve serves with (prepacked bfloat16 on a CPU with
 native bf16).  Nothing else runs: no attention, no element-wise work, no engine.  Beside it,
 the floor of the attention it leaves out: the bytes of K and V that W1's decode steps read, at
-the machine's streaming read rate (docs/benchmarks.md, seventeenth round).
+the machine's streaming read rate (docs/benchmarks.md, offline W1 against its bound).
 
     W1 prefill: num_prompts x 256 tokens in chunks of --max-num-batched-tokens rows
     W1 decode:  128 steps of num_prompts rows (the whole batch decodes together)

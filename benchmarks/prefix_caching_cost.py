@@ -1,7 +1,7 @@
 """What prefix caching costs when nothing hits: offline W1 (N x 256 random tokens in / 128 out,
 all at once) on two engines in one process, one with prefix caching on and one with it off,
 alternating, each round on prompts neither engine has seen (so the cache never hits).  Prints
-each round's seconds and the ratio of the medians (the issue's must-show: on costs <= 2%).
+each round's seconds and the ratio of the medians (the target: on costs at most 2%).
 
     .venv/bin/python benchmarks/prefix_caching_cost.py --num-prompts 128 --rounds 3
 """

@@ -53,7 +53,7 @@ def linear_seconds(totals: dict[str, float]) -> float:
     """The projections' and LM head's time: the packed operators (the gate_up one less the
     SiLU kernel it calls, which is element-wise work), or torch's matrix products where the
     weights are not packed.  The gate_up operator, half of each layer's weights, was counted
-    as element-wise before: 24% "element-wise" in the profile of the twelfth round."""
+    as element-wise before: 24% "element-wise" in an earlier profile."""
     packed = sum(totals.get(name, 0.0) for name in PACKED_OPS)
     if packed:
         inner_silu = totals.get("kvserve::silu_mul", 0.0) if totals.get(PACKED_OPS[1]) else 0.0

@@ -1,4 +1,4 @@
-"""Workloads W1-W4 of DESIGN.md against a real `kvserve serve`, through the Python API of
+"""Workloads W1-W4 of docs/benchmarks.md against a real `kvserve serve`, through the Python API of
 `kvserve bench serve`, optionally followed by the naive baseline (baseline_hf.py) on the same
 prompts and KV budget, so the ratios come from one run on one machine.
 

@@ -3,7 +3,7 @@ workloads, same client (`kvserve bench serve`), plus the hardware bound, in one 
 
     .venv/bin/python benchmarks/side_by_side.py --out results/sbs \\
         --other-name vllm-cpu \\
-        --other-cmd "VLLM_CPU_OMP_THREADS_BIND=0-1 /tmp/vllm/bin/vllm serve /tmp/smollm2-hf \\
+        --other-cmd "VLLM_CPU_OMP_THREADS_BIND=0-1 vllm serve SMOLLM2_HF_DIR \\
                      --port {port} --block-size 32 --served-model-name {model}"
 
 1. The bound: the model's linear layers alone (every projection and the LM head of the
@@ -12,7 +12,7 @@ workloads, same client (`kvserve bench serve`), plus the hardware bound, in one 
    threads kvserve uses.  kvserve's offline W1 and served W1 are reported as multiples of it.
    With the profile on, the bound is measured again after the offline run and the multiples
    are taken of the two measurements' mean: the machine's speed drifts by 2-3x within
-   minutes (docs/benchmarks.md, twelfth round), and one measurement minutes away from the run
+   minutes (docs/benchmarks.md), and one measurement minutes away from the run
    it divides made the multiple of one build read 1.69x and 4.04x.  Beside it, the floor of
    the attention it leaves out (W1's K/V reads at the streaming rate), and the offline W1's
    multiple of the bound plus that floor.

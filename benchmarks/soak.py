@@ -12,8 +12,8 @@ usage 0 and every block free (num_free_blocks == num_blocks of cache_config_info
 Growth is measured from the sample after warm-up (--warmup-fraction of N) to the end, and over
 the last half.  Any 5xx, error event, stream without [DONE] or connection error that is not
 one of our own drops counts as failed.  --server-env KEY=VALUE (repeatable) starts the server
-with extra environment (MALLOC_ARENA_MAX=2, ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: see the soak
-section of docs/benchmarks.md); --base-url with --pid soaks a server started elsewhere (e.g.
+with extra environment (MALLOC_ARENA_MAX=2, ONEDNN_PRIMITIVE_CACHE_CAPACITY=0: see
+docs/decisions/packed-linear.md); --base-url with --pid soaks a server started elsewhere (e.g.
 under a profiler).  The server runs in its default dtype (--dtype auto: bfloat16 on a CPU
 with AMX/AVX512-BF16), unlike the other scripts' float32: a soak measures what users run.
 """

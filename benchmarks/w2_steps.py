@@ -1,7 +1,7 @@
 """W2's steps offline: a batch of requests decoding while a new 256-token prompt arrives
 every few steps, as Poisson arrivals at ~3 requests/s give on this machine.  Prints the
 median and mean wall time of the decode-only steps and of the steps that carry a prompt:
-their mix is the server's time per output token in W2 (docs/benchmarks.md, sixth round).
+their mix is the server's time per output token in W2 (docs/benchmarks.md, W2 online).
 
     .venv/bin/python benchmarks/w2_steps.py --running 32 --every 4 --steps 200
 """

@@ -1,4 +1,4 @@
-"""Workload W3 (DESIGN.md): 64 requests sharing one 1,024-token prefix + 32 unique tokens,
+"""Workload W3 (docs/benchmarks.md): 64 requests sharing one 1,024-token prefix + 32 unique tokens,
 32 output tokens each, all submitted at once; prefix caching on vs off in one run.
 
 Offline, on the engine (no HTTP): TTFT is the time from submission to the step that produced

@@ -1,4 +1,4 @@
-"""Workload W4 (DESIGN.md): more concurrent long requests than the KV cache holds.
+"""Workload W4 (docs/benchmarks.md): more concurrent long requests than the KV cache holds.
 
 Runs the engine offline on the embedded model, records KV usage, running/waiting counts and
 preemptions after every step, and checks that every request finishes.  Writes a JSON record

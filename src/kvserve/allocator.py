@@ -3,7 +3,7 @@
 A step allocates and frees a few hundred tensors (each projection's output, the attention
 buffers, the batch's index tensors).  With glibc's malloc, `benchmarks/w2_steps.py` measured
 a 36-sequence decode step at 62-66 ms; with tcmalloc preloaded, 55-57 ms, and the steps that
-carry a 256-token prompt 126-136 -> 118-120 ms (docs/benchmarks.md, seventh round).  Tuning
+carry a 256-token prompt 126-136 -> 118-120 ms (docs/decisions/tcmalloc.md).  Tuning
 glibc instead (no mmap below 32 MiB, no trimming) cut page faults by a quarter and gained
 nothing.  vLLM's CPU backend asks its users to preload tcmalloc the same way.
 

@@ -5,7 +5,7 @@ PyTorch's CPU flash kernel attends a 256-token causal prompt of the embedded mod
 a layer on two AMX cores (~240 GFLOP/s), and in ~1.1 ms on two AVX512-BF16 cores without AMX
 (AMD Zen).  The C kernel runs both matrix products on AMX tiles (or vdpbf16ps) and the
 softmax exactly, in two passes per block of 16 query rows: on AMX, 174 us for the same
-prompt, 1.7 ms against 3.0 for 1,024 tokens (docs/benchmarks.md, seventh and eighth rounds).
+prompt, 1.7 ms against 3.0 for 1,024 tokens (docs/decisions/prefill-kernel.md).
 The probabilities are rounded to bfloat16 before P x V, as the flash kernel rounds them.
 Where the build or the CPU has no AVX512-BF16, or the tensors do not fit the kernel (float32,
 a head size not a multiple of 32), `attend` returns None and the caller keeps SDPA.

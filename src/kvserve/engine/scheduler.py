@@ -15,7 +15,7 @@ preempted request all of them again); each step hands out `max_num_batched_token
    vLLM does), rises by GROWTH_RESERVE_STEP with every preemption and decays by
    GROWTH_RESERVE_DECAY per step, so a workload that keeps outgrowing the cache stops
    thrashing (admit, grow, preempt, recompute the prompt) and one whose requests end early
-   keeps admitting freely.  On W1 (docs/benchmarks.md: 128 x 256 + 128 tokens; a cache for
+   keeps admitting freely.  On W1 (docs/decisions/growth-reserve.md: 128 x 256 + 128; a cache for
    30 of them) the first version preempted 39 times and recomputed about 9k prompt tokens.
 
 Preemption with a host tier (--kv-offloading-size): the preempted request's full blocks stay

@@ -5,13 +5,13 @@ Through torch.compile the same work costs ~0.35 ms a layer more than its project
 inductor's element-wise kernels), at any row count: ~10 ms of a 128-row decode step of the
 embedded model.  At a prefill step's rows, inductor's element-wise kernels and the separate
 SiLU pass cost more than the projections' kernel change does: a 2,048-token step of the
-embedded model took 973 against 1,016 ms (docs/benchmarks.md, fourteenth round).  This path
+embedded model took 973 against 1,016 ms (docs/decisions/native-layers.md).  This path
 serves every step where each projection takes the library's projection kernel (AMX tiles,
 or vdpbf16ps on a CPU without AMX) at every row count (packed_linear.KERNEL_ALL_ROWS), with
 the compiled layers' values bit for bit: the same projection kernels, and inductor's
 element-wise arithmetic written out in C.  The object has LayerKernels' three functions, so
 LlamaForCausalLM.forward calls it in their place.  On the AMD EPYC without AMX it took W1's
-128-row decode step from 174 to 129 ms (docs/benchmarks.md, nineteenth round).
+128-row decode step from 174 to 129 ms (docs/decisions/native-layers.md).
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ logger = logging.getLogger("kvserve")
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 # Every row count of a bfloat16 projection goes through csrc/linear_amx.c over oneDNN's packed
 # weight.  At a decode step's rows it streams the weight faster than oneDNN does (W1's 128-row
-# decode step 105 -> 101 ms, docs/benchmarks.md, tenth round); at a prefill step's it runs in
-# chunks of 256 rows (see there) and fuses SiLU x up into the gate_up projection: a layer's
+# decode step 105 -> 101 ms); at a prefill step's it runs in
+# chunks of 256 rows (linear_amx.c) and fuses SiLU x up into the gate_up projection: a layer's
 # qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02 / 14.3
 # ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 / 6.95 /
-# 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (fourteenth round).
+# 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (docs/decisions/projection-kernels.md).
 KERNEL_ALL_ROWS = sys.maxsize
 # The LM head (49,152 x 576 for the embedded model) is the exception on AMX: oneDNN streams it
 # faster past 32 rows (one process, alternating: 64 rows 2.56 against 2.14 ms, 128 rows 5.57
@@ -63,7 +63,7 @@ def padded_rows(num_rows: int) -> int:
     """The row count oneDNN is asked for: rounded up to a multiple of 16 (to 256 rows), of 64
     (to 2,048) or of 256.  oneDNN compiles and caches one primitive per shape; a step's token
     count takes any value, so without buckets the cache fills to its 1,024 primitives and the
-    process's memory grows for hours (the soak in docs/benchmarks.md).  With them the model's
+    process's memory grows for hours (docs/decisions/packed-linear.md).  With them the model's
     five weight shapes need ~300 primitives; the padding costs at most 1/16 more rows."""
     step = 16 if num_rows <= 256 else 64 if num_rows <= 2048 else 256
     return -(-num_rows // step) * step

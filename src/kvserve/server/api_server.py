@@ -163,7 +163,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     # The engine thread gives up the GIL inside every torch op and needs it back between
     # them; while the event loop runs Python (streaming a step's outputs), the default 5 ms
     # switch interval can hold it off that long each time.  0.2 ms bounds the
-    # wait: W1 (64 requests, served) measured +10% and +14% output tok/s in two A/B rounds.
+    # wait: served W1 measured +10% and +14% output tok/s (docs/decisions/gil-switch-interval.md).
     interval = os.environ.get("KVSERVE_GIL_SWITCH_INTERVAL", GIL_SWITCH_INTERVAL_S)
     sys.setswitchinterval(float(interval))
     sock = _bind(config.host, config.port)

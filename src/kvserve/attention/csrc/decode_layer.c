@@ -8,8 +8,8 @@
  * Why: through torch.compile the same work cost ~0.35 ms a layer more than its projections
  * alone, whatever the row count (guards, the compiled region's wrappers, the custom ops'
  * dispatch and Python, inductor's kernels): ~10 ms of a 128-row decode step of the embedded
- * model, and most of a small batch's step (docs/benchmarks.md, eleventh round); a prefill
- * step also spared inductor's element-wise kernels and a separate SiLU pass (fourteenth).
+ * model, and most of a small batch's step; a prefill step also spared inductor's element-wise
+ * kernels and a separate SiLU pass (docs/decisions/native-layers.md).
  *
  * The element-wise arithmetic is inductor's, operation for operation, so that the values are
  * those of the compiled layers (models/native_layers.py stands in for them, and the tests

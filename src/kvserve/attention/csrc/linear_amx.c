@@ -8,7 +8,7 @@
  * its weights stream, and the arithmetic (on AMX) is a small part of it.  Here each thread
  * walks its own run of 32-column weight blocks once, for all the rows, with the rows' tiles
  * reloaded from L1/L2; with more than 32 rows the passes over a block ask for the next block
- * into L2 (next_block_slice; benchmarks in docs/benchmarks.md, tenth round).
+ * into L2 (next_block_slice; docs/decisions/projection-kernels.md).
  *
  * Layout (bf16 elements): W[n][k] at ((n / 32) * (K / 2) + k / 2) * 64 + (n % 32) * 2 + k % 2,
  * N padded to 32: per block of 32 columns, K / 2 lines of 128 bytes, each a pair of k for 32

@@ -5,8 +5,8 @@
  *
  * Why: a projection of our own lets csrc/decode_layer.c run a whole step's layers in C on
  * these CPUs too.  Through torch.compile the work between a decode step's projections cost
- * ~26 ms of a 128-row step of the embedded model (~164 ms) on the AMD EPYC of the eighteenth
- * round: guards, wrappers, the custom ops' dispatch, inductor's element-wise kernels.
+ * ~26 ms of a 128-row step of the embedded model (~164 ms) on an AMD EPYC without AMX:
+ * guards, wrappers, the custom ops' dispatch, inductor's element-wise kernels.
  *
  * Layout (bf16 elements), as oneDNN's avx512_core_bf16 reorder writes it (models/
  * packed_linear.py checks it against oneDNN itself before it hands a weight here):
@@ -19,7 +19,7 @@
  * broadcast pair.  The work is (row chunk, column block) items, a run of them per thread
  * (block_runs.h: others steal from its back), every row tile of a chunk over a block while the
  * block sits in L2.  Against oneDNN on the same packed weights: 1.03-1.08x faster at 128 rows,
- * 0.99-1.03x at 2,048 (docs/benchmarks.md, nineteenth round).
+ * 0.99-1.03x at 2,048 (docs/decisions/projection-kernels.md).
  *
  *   x    [M, K] bf16, row stride x_stride elements
  *   out  [M, N] bf16, row stride out_stride elements

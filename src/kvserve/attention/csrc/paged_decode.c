@@ -502,7 +502,8 @@ static inline const char *table_block(const void *cache, const int64_t *table, i
  * base.  Asking for a whole block at once (~100 lines) stalls the core: each prefetch holds
  * one of its ~16 line-fill buffers until memory answers, so the compute waits for the block
  * and nothing overlaps.  Spread across the block's compute, a few lines at a time, the loads
- * run under the arithmetic: 2.38 -> 1.98 ms per layer at 128 x 320 tokens (docs/benchmarks.md). */
+ * run under the arithmetic: 2.38 -> 1.98 ms per layer at 128 x 320 tokens
+ * (docs/decisions/decode-prefetch.md). */
 /* [*begin, *end): slice `part` of `parts` equal slices of `lines` lines. */
 static inline void line_slice(int64_t lines, int64_t part, int64_t parts, int64_t *begin,
                               int64_t *end) {
@@ -576,12 +577,12 @@ static inline void head_rows(const char *block, int count, int64_t row_stride, i
  * one span ahead, in slices spread over the span's work: K during the scores, V during p x V.
  * Asked for a block ahead instead, larger blocks lost (W1's 128 x 320 tokens, a layer: 32-token
  * blocks 1.55 -> 1.28 ms with spans, 64 and 128 tokens, which took the general path then,
- * 4.2-4.5 -> 1.2-1.3 ms, 16 tokens the same bit for bit; /tmp/k16/bs2.py, twenty-first round).
+ * 4.2-4.5 -> 1.2-1.3 ms, 16 tokens the same bit for bit; docs/decisions/decode-prefetch.md).
  * V is asked for under p x V, not under the scores: with both asked for during the scores,
  * the first pass streamed the whole 2 x 6 KiB a block at the core's limit of misses in flight
  * and p x V ran from L2 with the memory idle: on the AMD EPYC (no AMX) W1's 128 x 320 tokens
- * took 1.69 ms a layer against 1.48 with V fetched under p x V (alternating, six rounds each,
- * /tmp/k14/ab.py; docs/benchmarks.md, nineteenth round).
+ * took 1.69 ms a layer against 1.48 with V fetched under p x V (alternating, six rounds each;
+ * docs/decisions/decode-prefetch.md).
  * work: 16 * group + 8 * dim + num_heads * round_up(seq_len, 16) floats. */
 static void attend_sequence_fast(const float *q, float *out, const void *key, const void *value,
                                  const float *key_scale, const float *value_scale, int kind,
@@ -756,8 +757,8 @@ static inline void scale_lanes(float *x, const float *scales, int64_t first_slot
  * group's K are asked for (and their scales); the addresses are worked out once a group, not
  * in the product loop (where a few integer divisions a call made the kernel 1.4x slower).
  * W1's shape, 30 layers of 128 x 320 tokens: bf16 57.2 -> 52.0 ms, int8 50.3 -> 45.9 ms
- * (docs/benchmarks.md).  kbuf: SPANS_IN_FLIGHT x 16 rows of num_kv_heads x dim bf16 (8-bit
- * caches). */
+ * (docs/decisions/decode-amx-scores.md).  kbuf: SPANS_IN_FLIGHT x 16 rows of num_kv_heads x dim
+ * bf16 (8-bit caches). */
 #define SPANS_IN_FLIGHT 4
 
 #define SPAN_PRODUCT(J, KT)                                                                    \
