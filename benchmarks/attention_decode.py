@@ -25,7 +25,7 @@ import torch
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import allocate_kv_caches
-from kvserve.kv import quant
+from kvserve.attention import quant
 from kvserve.kv.spec import kv_cache_spec
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")

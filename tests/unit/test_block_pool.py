@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_manager import KVCacheManager
-from kvserve.kv.prefix_cache import hash_block
+from kvserve.kv.block_hasher import hash_block
 
 
 def test_allocate_takes_uncached_first_then_lru_cached():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvserve.attention.kv_cache import allocate_kv_caches, kv_cache_bytes
 from kvserve.engine.sizing import size_kv_cache
-from kvserve.kv import quant
+from kvserve.attention import quant
 from kvserve.kv.spec import kv_cache_spec
 
 FLOAT_ERR = 2**-22

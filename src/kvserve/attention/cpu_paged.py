@@ -23,7 +23,7 @@ from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
-from kvserve.kv import quant
+from kvserve.attention import quant
 
 # Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
 _KIND_BY_DTYPE = {
