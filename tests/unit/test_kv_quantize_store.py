@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.attention import quant
 from kvserve.attention.cpu_kernels import paged_decode_available
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.attention import quant
 
 pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kvserve.evaluation.paged import Piece, allocate_cache, forward_hidden
 from kvserve.attention import quant
+from kvserve.evaluation.paged import Piece, allocate_cache, forward_hidden
 from kvserve.kv.spec import cdiv
 
 # Dimensions of a [tokens, heads, dim] tensor that share one scale.
