@@ -20,6 +20,7 @@ imports only the standard library (no torch: the 8-bit KV formats live in attent
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,7 +217,9 @@ def test_importing_kv_and_the_scheduler_loads_no_torch():
         f"import sys\nfor m in {modules!r}: __import__(m)\n"
         "print(sorted(n for n in ('torch', 'numpy') if n in sys.modules))"
     )
+    path = os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
