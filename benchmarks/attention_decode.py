@@ -22,10 +22,9 @@ import time
 
 import torch
 
-from kvserve.attention import select_backend
+from kvserve.attention import quant, select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import allocate_kv_caches
-from kvserve.kv import quant
 from kvserve.kv.spec import kv_cache_spec
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention import quant
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.kv import quant
 
 KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"]
 SHAPES = [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)]  # H, Hkv, D, bs

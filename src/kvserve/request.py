@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import RequestLimits
 from kvserve.errors import ParameterError
+from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 
 MAX_N = 128  # OpenAI's cap on `n`
 
@@ -153,9 +154,19 @@ class Request:
     stop_reason: int | str | None = None
     fork_of: str | None = None  # a sibling whose prompt blocks this request will share
     cache_salt: str | None = None  # its blocks are shared only with requests of this salt
+    # its full blocks' keys, salted: made by hash_blocks_with (the scheduler, on add_request)
+    block_hashes: BlockHashes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    def hash_blocks_with(self, hasher: BlockHasher) -> None:
+        """Start the request's block hashes: `cache_salt` is read here, once; the full blocks
+        so far are hashed now, each later one when its last token is appended.  They are kept
+        across preemptions (the tokens do not change) and read by the cache manager."""
+        assert self.block_hashes is None, "a request's block hashes are made once"
+        self.block_hashes = hasher.for_request(self.cache_salt)
+        self.block_hashes.extend(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -172,3 +183,5 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.block_hashes is not None:
+            self.block_hashes.extend(self.all_token_ids)

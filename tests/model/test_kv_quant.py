@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.attention import quant
 from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -22,7 +23,6 @@ from kvserve.evaluation.greedy import greedy_agreement, greedy_generate
 from kvserve.evaluation.paged import allocate_cache
 from kvserve.evaluation.perplexity import cache_blocks_needed, perplexity
 from kvserve.evaluation.sample_text import python_reference_prose
-from kvserve.kv import quant
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import Checkpoint, load_checkpoint
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from kv_requests import make_request
 
+from kvserve.kv.block_hasher import hash_block
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_manager import KVCacheManager
-from kvserve.kv.prefix_cache import hash_block
 
 
 def test_allocate_takes_uncached_first_then_lru_cached():
@@ -76,8 +77,8 @@ def test_shared_prefix_returns_same_blocks_and_counts_references():
     cm = make_manager()
     prompt = list(range(10))  # 2 full blocks + 2 tokens
     cm.allocate_slots("a", 0, 10)
-    cm.cache_full_blocks("a", prompt, 10)
-    hit = cm.find_cached_prefix("b", prompt[:8] + [99, 98, 97])
+    cm.cache_full_blocks(make_request(cm, "a", prompt), 10)
+    hit = cm.find_cached_prefix(make_request(cm, "b", prompt[:8] + [99, 98, 97]))
     assert hit.block_ids == [0, 1] and hit.num_tokens == 8
     cm.allocate_slots("b", 8, 3, hit)
     assert cm.block_tables["b"] == [0, 1, 3]
@@ -91,13 +92,13 @@ def test_partial_blocks_are_never_cached_and_last_token_always_computed():
     cm = make_manager()
     prompt = list(range(8))  # exactly 2 full blocks
     cm.allocate_slots("a", 0, 8)
-    cm.cache_full_blocks("a", prompt, 8)
+    cm.cache_full_blocks(make_request(cm, "a", prompt), 8)
     cm.free("a")
     # The whole prompt is cached, but its last token must be recomputed: only 1 block is hit.
-    hit = cm.find_cached_prefix("b", prompt)
+    hit = cm.find_cached_prefix(make_request(cm, "b", prompt))
     assert hit.num_tokens == 4 and hit.block_ids == [0]
     cm.allocate_slots("c", 0, 6)
-    cm.cache_full_blocks("c", list(range(100, 106)), 6)
+    cm.cache_full_blocks(make_request(cm, "c", list(range(100, 106))), 6)
     assert cm.pool.blocks[cm.block_tables["c"][1]].block_hash is None  # 2 of 4 tokens
     cm.check_invariants()
 
@@ -105,15 +106,15 @@ def test_partial_blocks_are_never_cached_and_last_token_always_computed():
 def test_eviction_order_is_lru_and_chain_tail_first():
     cm = make_manager(num_blocks=4)
     cm.allocate_slots("a", 0, 8)
-    cm.cache_full_blocks("a", list(range(8)), 8)
+    cm.cache_full_blocks(make_request(cm, "a", list(range(8))), 8)
     cm.allocate_slots("b", 0, 8)
-    cm.cache_full_blocks("b", list(range(50, 58)), 8)
+    cm.cache_full_blocks(make_request(cm, "b", list(range(50, 58))), 8)
     cm.free("a")  # frees 1 then 0
     cm.free("b")  # frees 3 then 2
     assert cm.allocate_slots("c", 0, 4) == [1]  # a's tail block goes first
     assert cm.allocate_slots("c", 4, 4) == [0]
     assert cm.allocate_slots("c", 8, 4) == [3]
-    hit = cm.find_cached_prefix("d", list(range(50, 58)) + [1])
+    hit = cm.find_cached_prefix(make_request(cm, "d", list(range(50, 58)) + [1]))
     assert hit.block_ids == [2] and hit.num_tokens == 4  # b's head block survives
     cm.check_invariants()
 
@@ -121,9 +122,9 @@ def test_eviction_order_is_lru_and_chain_tail_first():
 def test_free_blocks_hit_by_a_lookup_are_not_counted_twice():
     cm = make_manager(num_blocks=3)
     cm.allocate_slots("a", 0, 8)
-    cm.cache_full_blocks("a", list(range(8)), 8)
+    cm.cache_full_blocks(make_request(cm, "a", list(range(8))), 8)
     cm.free("a")
-    hit = cm.find_cached_prefix("b", list(range(8)) + [7, 7, 7, 7, 7])
+    hit = cm.find_cached_prefix(make_request(cm, "b", list(range(8)) + [7, 7, 7, 7, 7]))
     assert hit.block_ids == [0, 1]
     # b needs 4 blocks: 2 cached (free) + 2 new, but only 3 blocks exist.
     assert cm.allocate_slots("b", 8, 5, hit) is None
@@ -134,8 +135,10 @@ def test_free_blocks_hit_by_a_lookup_are_not_counted_twice():
 def test_prefix_stats_and_caching_off():
     cm = make_manager(caching=False)
     cm.allocate_slots("a", 0, 8)
-    cm.cache_full_blocks("a", list(range(8)), 8)
+    cm.cache_full_blocks(make_request(cm, "a", list(range(8))), 8)
     assert cm.pool.blocks[0].block_hash is None
-    assert cm.find_cached_prefix("b", list(range(9))).num_tokens == 0
-    cm.record_prefix_query("b", 9, 0)
+    b = make_request(cm, "b", list(range(9)))
+    assert b.block_hashes is not None and b.block_hashes.keys == []  # off: nothing hashed
+    assert cm.find_cached_prefix(b).num_tokens == 0
+    cm.record_prefix_query(b, 0)
     assert cm.prefix_stats.queries == 0  # off: nothing looked up, nothing counted

@@ -15,12 +15,11 @@ from attention_cases import (
     mixed_step,
 )
 
-from kvserve.attention import select_backend
+from kvserve.attention import quant, select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_kernels import paged_decode_available, use_amx_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
-from kvserve.kv import quant
 
 pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
 

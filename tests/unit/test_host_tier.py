@@ -4,6 +4,7 @@ goes to which host slot, LRU order, pinning, the copies queued, the hits counted
 from __future__ import annotations
 
 import pytest
+from kv_requests import make_request
 
 from kvserve.config import CacheConfig
 from kvserve.errors import ParameterError
@@ -52,12 +53,13 @@ def test_clear_frees_every_slot():
 
 def run(cm: KVCacheManager, request_id: str, tokens: list[int]) -> list[int]:
     """Admit a request as the scheduler does, compute all its tokens, free it."""
-    cached = cm.find_cached_prefix(request_id, tokens)
+    request = make_request(cm, request_id, tokens)
+    cached = cm.find_cached_prefix(request)
     new = cm.allocate_slots(request_id, cached.num_tokens, len(tokens) - cached.num_tokens, cached)
     assert new is not None
-    cm.record_prefix_query(request_id, len(tokens), cached.num_tokens, cached.num_host_tokens)
+    cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens)
     table = cm.block_table(request_id)
-    cm.cache_full_blocks(request_id, tokens, len(tokens))
+    cm.cache_full_blocks(request, len(tokens))
     cm.free(request_id)
     cm.check_invariants()
     return table
@@ -70,7 +72,7 @@ def test_evicted_blocks_go_to_the_host_and_come_back_on_a_hit():
     assert run(cm, "b", B) == [3, 2, 1, 0]  # evicts a's blocks, tail first: 1, then 0
     moved = cm.take_host_transfers()
     assert moved.offloads == [(1, 0), (0, 1)] and moved.loads == []
-    hit = cm.find_cached_prefix("a2", A)
+    hit = cm.find_cached_prefix(make_request(cm, "a2", A))
     assert hit.block_ids == [] and hit.num_tokens == 8 and hit.num_host_tokens == 8
     # b was freed tail first: its blocks 0, 1, 2 are the next evicted.  a2's two hits take
     # blocks 0 and 1 (b's content saved to free slots 2 and 3 first), filled from slots 1
@@ -89,7 +91,7 @@ def test_a_block_dropped_by_both_tiers_is_an_evicted_miss():
     cm = KVCacheManager(4, block_size=4, num_host_blocks=1)
     run(cm, "a", A)
     run(cm, "b", B)  # a's two blocks evicted; the host keeps the last one offloaded: a's 0
-    assert cm.find_cached_prefix("a2", A).num_host_tokens == 4
+    assert cm.find_cached_prefix(make_request(cm, "a2", A)).num_host_tokens == 4
     run(cm, "a2", A)
     assert cm.prefix_stats.host_hits == 4
     assert cm.prefix_stats.misses["evicted"] == 4  # a's block 1: in neither tier
@@ -102,7 +104,7 @@ def test_reset_clears_the_host_tier_too():
     assert cm.host is not None and cm.host.num_used_slots == 2
     cm.reset_prefix_cache()
     assert cm.host.num_used_slots == 0
-    assert cm.find_cached_prefix("a2", A).num_tokens == 0
+    assert cm.find_cached_prefix(make_request(cm, "a2", A)).num_tokens == 0
 
 
 @pytest.mark.parametrize("size", [0.0, -1.0, float("nan")])

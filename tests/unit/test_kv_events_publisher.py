@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from kv_requests import make_request
 
 from kvserve.config import KVEventsConfig, parse_kv_events_config
 from kvserve.engine.kv_event_wire import external_hash, to_wire
@@ -156,9 +157,10 @@ def test_salted_blocks_go_out_without_their_token_ids_unless_asked():
                         enable_events=True)  # fmt: skip
     prompt = system + list(range(500, 509))  # then two salted blocks and a partial one
     for request_id, salt in (("a", "tenant-a"), ("b", None)):
-        hit = cm.find_cached_prefix(request_id, prompt, salt)
+        request = make_request(cm, request_id, prompt, salt)
+        hit = cm.find_cached_prefix(request)
         cm.allocate_slots(request_id, hit.num_tokens, len(prompt) - hit.num_tokens, hit)
-        cm.cache_full_blocks(request_id, prompt, len(prompt), salt)
+        cm.cache_full_blocks(request, len(prompt))
     public, tenant, unsalted = cm.take_events()  # b's public blocks were cached already
     assert (public.salted, tenant.salted, unsalted.salted) == (False, True, False)
     assert len(public.block_hashes) == len(tenant.block_hashes) == 2

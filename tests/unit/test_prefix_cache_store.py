@@ -3,6 +3,8 @@ prefixes, miss reasons with exact token counts, reset, and the events it records
 
 from __future__ import annotations
 
+from kv_requests import make_request
+
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -21,10 +23,11 @@ def run(
     keep: bool = False,
 ) -> int:
     """Admit, compute and (unless `keep`) free one request; returns its cached tokens."""
-    hit = cm.find_cached_prefix(request_id, tokens, salt)
+    request = make_request(cm, request_id, tokens, salt)
+    hit = cm.find_cached_prefix(request)
     assert cm.allocate_slots(request_id, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
-    cm.record_prefix_query(request_id, len(tokens), hit.num_tokens)
-    cm.cache_full_blocks(request_id, tokens, len(tokens), salt)
+    cm.record_prefix_query(request, hit.num_tokens)
+    cm.cache_full_blocks(request, len(tokens))
     if not keep:
         cm.free(request_id)
     cm.check_invariants()
@@ -89,11 +92,10 @@ def test_another_salts_prompt_is_not_told_apart_from_a_new_one_by_default():
 
 def test_another_kv_dtypes_store_still_counts_as_isolated():
     cm = make(num_blocks=6)
-    other = make(num_blocks=6)
-    other.extra_key = b"int8"
-    keys = _keys(other, "k", PROMPT)
-    contents = other._hashes("k", PROMPT, None).contents
-    cm.note_isolated(contents, keys)
+    other = KVCacheManager(6, block_size=BS, extra_key=b"int8")
+    hashes = make_request(other, "k", PROMPT).block_hashes
+    assert hashes is not None
+    cm.note_isolated(hashes.contents, hashes.keys)
     run(cm, "a", PROMPT)
     assert cm.prefix_stats.misses["isolated"] == 12
 
@@ -126,11 +128,10 @@ def test_reset_drops_unused_cached_blocks_only():
 
 
 def _keys(cm: KVCacheManager, request_id: str, tokens: list[int]) -> list[bytes]:
-    """The keys a fresh lookup computes (the request is forgotten afterwards)."""
-    cm.find_cached_prefix(request_id, tokens)
-    keys = list(cm._block_hashes[request_id].keys[: len(tokens) // BS])
-    cm.free(request_id)
-    return keys
+    """The keys of the full blocks of `tokens` (no salt)."""
+    hashes = make_request(cm, request_id, tokens).block_hashes
+    assert hashes is not None
+    return hashes.keys
 
 
 def test_events_batch_consecutive_stored_blocks_and_evictions():

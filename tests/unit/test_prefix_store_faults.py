@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kv_requests import make_request
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_prefix_store_files import PRINT, cache_prompt, engine
@@ -53,8 +54,7 @@ def files_under(root: Path) -> dict[Path, bytes]:
 
 def assert_cached(manager, tokens: list[int]) -> None:
     """The blocks cached in memory are still found (nothing lost with the store)."""
-    hit = manager.find_cached_prefix("probe", tokens)
-    manager.free("probe")
+    hit = manager.find_cached_prefix(make_request(manager, "probe", tokens))
     assert hit.num_tokens == len(tokens) // 4 * 4
 
 
@@ -238,7 +238,7 @@ def test_a_group_whose_stored_fingerprint_differs_is_not_loaded_and_kept(tmp_pat
     reason = "model_files: stored other, now None" if stored != "none" else "format: stored None"
     assert "the fingerprint it holds differs" in caplog.text and reason in caplog.text
     assert group.read_bytes() == data
-    assert manager2.find_cached_prefix("b", PROMPTS[0]).num_tokens == 0
+    assert manager2.find_cached_prefix(make_request(manager2, "b", PROMPTS[0])).num_tokens == 0
 
 
 def test_a_directory_that_cannot_be_used_leaves_the_server_without_the_store(tmp_path, caplog):

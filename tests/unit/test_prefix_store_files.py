@@ -8,6 +8,7 @@ import logging
 import os
 
 import torch
+from kv_requests import make_request
 
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.engine.prefix_store import PrefixStore
@@ -31,7 +32,7 @@ def cache_prompt(caches, manager, request_id: str, tokens: list[int]) -> None:
         for block in manager.block_table(request_id):
             cache.key[block] = torch.randint(-100, 100, cache.key[block].shape, dtype=torch.int8)
             cache.key_scale[block] = torch.rand(cache.key_scale[block].shape)
-    manager.cache_full_blocks(request_id, tokens, len(tokens))
+    manager.cache_full_blocks(make_request(manager, request_id, tokens), len(tokens))
     manager.free(request_id)
 
 
@@ -44,7 +45,7 @@ def test_blocks_round_trip_into_cold_cached_blocks(tmp_path):
 
     caches2, manager2 = engine()
     assert PrefixStore(tmp_path, PRINT, 2**30, caches2).load(manager2) == 2
-    hit = manager2.find_cached_prefix("b", list(range(9)))
+    hit = manager2.find_cached_prefix(make_request(manager2, "b", list(range(9))))
     assert hit.num_tokens == 8 and manager2.pool.num_free_blocks == 8  # cold: cached but free
     for old, new in zip((0, 1), hit.block_ids, strict=True):
         assert torch.equal(caches2[1].key[new], saved[old][0])

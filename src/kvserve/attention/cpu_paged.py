@@ -18,12 +18,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.attention import bf16_prefill, shared_prefix
+from kvserve.attention import bf16_prefill, quant, shared_prefix
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.cpu_kernels import load_paged_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
-from kvserve.kv import quant
 
 # Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
 _KIND_BY_DTYPE = {

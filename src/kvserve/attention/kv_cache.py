@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvserve.kv import quant
+from kvserve.attention import quant
 from kvserve.kv.spec import KVCacheSpec
 
 _C_SOURCE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,7 +39,7 @@ def _store_quantized_in_c(
     layer: LayerKVCache,
 ) -> bool:
     """Quantize and store `x` in one pass through the C kernel library (csrc/kv_quantize.c,
-    the same codes as kv/quant.py bit for bit); False where it does not apply (another
+    the same codes as attention/quant.py bit for bit); False where it does not apply (another
     device or dtype, no compiler), and the torch path stores instead."""
     lib = _c_rows_library(x)
     if lib is None:

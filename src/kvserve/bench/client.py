@@ -21,8 +21,6 @@ import aiohttp
 from kvserve.bench.datasets import SampleRequest
 from kvserve.bench.metrics import RequestRecord
 
-BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-
 
 @dataclass(frozen=True)
 class RequestSpec:

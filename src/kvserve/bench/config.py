@@ -14,7 +14,9 @@ from typing import Any
 from kvserve.errors import ParameterError, UserInputError
 
 DATASET_NAMES = ("random", "sharegpt", "prefix")
-BACKEND_NAMES = ("openai", "openai-chat")
+# --backend -> the path it posts to (unless --endpoint)
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+BACKEND_NAMES = tuple(BACKENDS)
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 SLO_NAMES = ("ttft", "tpot", "e2el")
 
@@ -182,6 +184,4 @@ class BenchConfig:
 
     @property
     def api_url(self) -> str:
-        from kvserve.bench.client import BACKENDS
-
         return self.base_url.rstrip("/") + (self.endpoint or BACKENDS[self.backend])

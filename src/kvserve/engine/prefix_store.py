@@ -6,7 +6,7 @@
         <layer>.key / <layer>.value [n, block_size, kv_heads, head_dim] (storage dtype)
         <layer>.key_scale / <layer>.value_scale [n, block_size, kv_heads] (scaled 8-bit only)
         keys, parents [n, 32] uint8 (block key, parent key or zeros)
-        contents [n] int64 (the statistics-only content hash, kv/prefix_cache.py)
+        contents [n] int64 (the statistics-only content hash, kv/block_hasher.py)
         token_ids [n, block_size] int64
         metadata "fingerprint": the JSON of the fingerprint, checked before a block is used
 

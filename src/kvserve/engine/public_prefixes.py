@@ -11,7 +11,7 @@ prompt (with and without the tokenizer's special tokens, when they differ); mess
 rendered by the chat template without a generation prompt and tokenized as /v1/chat/completions
 tokenizes the whole conversation, so a chat request whose first messages are these starts with
 exactly these tokens.  The KV cache manager keys a block without the salt when its tokens lie
-entirely inside one of these token prefixes (kv/prefix_cache.py).
+entirely inside one of these token prefixes (kv/block_hasher.py).
 """
 
 from __future__ import annotations

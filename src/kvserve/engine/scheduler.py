@@ -81,6 +81,7 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.hash_blocks_with(self.cache_manager.block_hasher)  # reads its cache_salt
         self.requests[request.request_id] = request
         if request.fork_of in self.requests:
             self._pending_forks.setdefault(request.fork_of, []).append(request)
@@ -175,9 +176,8 @@ class Scheduler:
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
             cached = NO_PREFIX
             if not forked:
-                rid, tokens, salt = request.request_id, request.all_token_ids, request.cache_salt
-                cached = cm.find_cached_prefix(rid, tokens, salt)
-                cached = cm.extend_with_in_flight(rid, tokens, cached, in_flight, salt)
+                cached = cm.find_cached_prefix(request)
+                cached = cm.extend_with_in_flight(request, cached, in_flight)
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
             own_growth = self._growth_blocks(request, cdiv(num_computed + num_new, cm.block_size))
@@ -189,19 +189,8 @@ class Scheduler:
                 self.waiting.appendleft(request)
                 break
             if not forked:
-                cm.record_prefix_query(
-                    request.request_id, request.num_tokens, cached.num_tokens,
-                    cached.num_host_tokens,
-                )  # fmt: skip
-                in_flight.update(
-                    cm.blocks_computed_in_step(
-                        request.request_id,
-                        request.all_token_ids,
-                        num_computed,
-                        num_new,
-                        request.cache_salt,
-                    )  # fmt: skip
-                )
+                cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens)
+                in_flight.update(cm.blocks_computed_in_step(request, num_computed, num_new))
             if request.num_cached_tokens < 0:  # first admission: what the cache supplied
                 request.num_cached_tokens = 0 if forked else cached.num_tokens
             request.num_computed_tokens = num_computed
@@ -230,12 +219,8 @@ class Scheduler:
                 request = self.requests[item.request_id]
                 blocks.update(
                     self.cache_manager.blocks_computed_in_step(
-                        item.request_id,
-                        request.all_token_ids,
-                        item.start_position,
-                        item.num_tokens,
-                        request.cache_salt,
-                    )  # fmt: skip
+                        request, item.start_position, item.num_tokens
+                    )
                 )
         return blocks
 
@@ -265,10 +250,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             request.num_computed_tokens += item.num_tokens
-            cm.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens,
-                request.cache_salt,
-            )  # fmt: skip
+            cm.cache_full_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 self._fork_siblings(request)
             if not item.sample:

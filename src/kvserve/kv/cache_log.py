@@ -17,7 +17,7 @@ class NewBlock:
 
     block_id: int
     key: bytes
-    content: int  # the statistics-only content hash (kv/prefix_cache.py)
+    content: int  # the statistics-only content hash (kv/block_hasher.py)
     parent_key: bytes | None
     token_ids: list[int]
 

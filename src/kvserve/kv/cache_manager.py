@@ -9,7 +9,7 @@ One request's tokens and blocks (block_size 4):
 * ``find_cached_prefix`` finds the longest run of cached full blocks at the start (never the
   whole sequence: the last token is always computed, its logits are needed).
 * ``allocate_slots`` grows the table to hold ``num_computed + num_new`` tokens: all or nothing.
-* ``cache_full_blocks`` hashes blocks that became full once their tokens were computed.
+* ``cache_full_blocks`` caches blocks that became full once their tokens were computed.
 * ``free`` drops the request's references, tail first, so chain tails are evicted first.
 * ``blocks_computed_in_step`` / ``extend_with_in_flight`` let a request admitted in a step read
   the prefix blocks another request computes in that same step, without the scheduler
@@ -18,8 +18,9 @@ One request's tokens and blocks (block_size 4):
 The scheduler uses only these methods (and ``block_table``, ``num_blocks_of``,
 ``take_block_copies``, ``record_prefix_query`` and the usage figures): every hashing rule,
 including "the last token is never a hit", the cache salt and the public prefixes
-(kv/prefix_cache.py), lives here.  The methods that hash take the request's ``cache_salt``;
-a request's hashes are memoized from its first lookup until ``free``.
+(kv/block_hasher.py), lives here or in ``block_hasher``.  The methods that read block hashes
+take the request itself (``HashedRequest``), whose hashes ``block_hasher`` made with its cache
+salt when it entered the scheduler: none takes a salt, so no call site can forget one.
 
 The prefix cache as a store (the engine's side): ``record_prefix_query`` classifies every
 missed token (kv/miss_reasons.py); ``reset_prefix_cache`` drops every cached block no request
@@ -41,24 +42,42 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.events import KVEvent
 from kvserve.kv.host_tier import HostTier, HostTransfers
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
-from kvserve.kv.prefix_cache import BlockHashes, PublicPrefixes, salted_namespace
 from kvserve.kv.spec import cdiv
+
+
+class HashedRequest(Protocol):
+    """What the cache manager reads of a request (kvserve.request.Request is one): its id,
+    its tokens, and its block hashes, made by the manager's `block_hasher` (with the request's
+    cache salt) and kept current with its tokens by the request's owner."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> BlockHashes | None: ...
 
 
 @dataclass(frozen=True)
 class CachedPrefix:
     """The longest cached prefix: device blocks first, then the keys of blocks that follow
-    them in the host tier (loaded into fresh device blocks by allocate_slots)."""
+    them in the host tier (loaded into fresh device blocks by allocate_slots), with their
+    content hashes (for the miss classifier)."""
 
     block_ids: list[int]
     num_tokens: int  # of both tiers
     host_keys: tuple[bytes, ...] = ()
+    host_contents: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -94,17 +113,16 @@ class KVCacheManager:
         report_cross_salt_misses: bool = False,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
-        token-id prefixes whose blocks are shared across cache salts; `num_host_blocks` the
+        token-id prefixes whose blocks are shared across cache salts (both go to
+        `block_hasher`, which makes every request's block hashes); `num_host_blocks` the
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
         nothing of each other)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.extra_key = extra_key
-        self.public_prefixes = PublicPrefixes(public_prefixes)
+        self.block_hasher = BlockHasher(block_size, extra_key, public_prefixes, enable_caching)
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.block_tables: dict[str, list[int]] = {}
-        self._block_hashes: dict[str, BlockHashes] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
@@ -120,48 +138,47 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def _hashes(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> BlockHashes:
-        """The request's block hashes, memoized (extended as it grows, dropped by `free`)."""
-        hashes = self._block_hashes.get(request_id)
-        if hashes is None:
-            salted = salted_namespace(self.extra_key, cache_salt)
-            hashes = BlockHashes(self.block_size, self.extra_key, salted, self.public_prefixes)
-            self._block_hashes[request_id] = hashes
-        hashes.extend(token_ids)
+    def _hashes(self, request: HashedRequest) -> BlockHashes:
+        """The request's block hashes (with caching on): made by this manager's block_hasher
+        and covering every full block of its tokens.  A request without them is a bug of the
+        caller (AssertionError), never a request keyed without its salt."""
+        hashes = request.block_hashes
+        assert hashes is not None and hashes.hasher is self.block_hasher, (
+            f"request {request.request_id!r} has no block hashes of this cache manager "
+            "(request.hash_blocks_with(cache_manager.block_hasher))"
+        )
+        assert len(hashes.keys) == len(request.all_token_ids) // self.block_size
         return hashes
 
-    def _full_block_hashes(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
-    ) -> list[bytes]:
+    def _full_block_keys(self, request: HashedRequest) -> list[bytes]:
         """Keys of the request's full blocks (none with caching off)."""
         if not self.enable_caching:
             return []
-        return self._hashes(request_id, token_ids, cache_salt).keys
+        return self._hashes(request).keys
 
     def _max_cached_blocks(self, num_tokens: int) -> int:
         """A prefix hit never covers the last token: its logits are needed to sample."""
         return (num_tokens - 1) // self.block_size
 
-    def find_cached_prefix(
-        self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None
-    ) -> CachedPrefix:
+    def find_cached_prefix(self, request: HashedRequest) -> CachedPrefix:
         """Longest cached run of full blocks starting at token 0, leaving >= 1 token to compute.
-        Takes no references and changes no block (it memoizes the request's hashes)."""
+        Takes no references and changes no block."""
         if not self.enable_caching:
             return NO_PREFIX
-        max_blocks = self._max_cached_blocks(len(token_ids))
-        keys = self._full_block_hashes(request_id, token_ids, cache_salt)[:max_blocks]
+        hashes = self._hashes(request)
+        max_blocks = self._max_cached_blocks(len(request.all_token_ids))
+        keys = hashes.keys[:max_blocks]
         block_ids: list[int] = []
         for block_hash in keys:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        host_keys = self._host_run(keys[len(block_ids) :])
-        num_tokens = (len(block_ids) + len(host_keys)) * self.block_size
-        return CachedPrefix(block_ids, num_tokens, host_keys)
+        num_device = len(block_ids)
+        host_keys = self._host_run(keys[num_device:])
+        host_contents = tuple(hashes.contents[num_device : num_device + len(host_keys)])
+        num_tokens = (num_device + len(host_keys)) * self.block_size
+        return CachedPrefix(block_ids, num_tokens, host_keys, host_contents)
 
     def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         """The leading keys held by the host tier (and not on the device: a block after a
@@ -176,28 +193,18 @@ class KVCacheManager:
         return tuple(run)
 
     def blocks_computed_in_step(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        start_token: int,
-        num_tokens: int,
-        cache_salt: str | None = None,
+        self, request: HashedRequest, start_token: int, num_tokens: int
     ) -> dict[bytes, int]:
         """Key -> block id of the full blocks that computing tokens [start_token, start_token +
         num_tokens) of an allocated request completes (none with caching off): another request
         admitted in the same step may read them (extend_with_in_flight)."""
-        keys = self._full_block_hashes(request_id, token_ids, cache_salt)
+        keys = self._full_block_keys(request)
         first, end = start_token // self.block_size, (start_token + num_tokens) // self.block_size
-        table = self.block_tables[request_id]
+        table = self.block_tables[request.request_id]
         return {keys[i]: table[i] for i in range(first, min(end, len(keys)))}
 
     def extend_with_in_flight(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        cached: CachedPrefix,
-        in_flight: dict[bytes, int],
-        cache_salt: str | None = None,
+        self, request: HashedRequest, cached: CachedPrefix, in_flight: dict[bytes, int]
     ) -> CachedPrefix:
         """`cached` continued by the blocks that other requests compute in this very step
         (blocks_computed_in_step): the request then computes only what follows them.  This is
@@ -206,8 +213,8 @@ class KVCacheManager:
         requests with one system prompt arriving together share it from the first step)."""
         if not in_flight or cached.host_keys:
             return cached
-        keys = self._full_block_hashes(request_id, token_ids, cache_salt)
-        limit = self._max_cached_blocks(len(token_ids))
+        keys = self._full_block_keys(request)
+        limit = self._max_cached_blocks(len(request.all_token_ids))
         extra: list[int] = []
         for key in keys[len(cached.block_ids) : limit]:
             if key not in in_flight:
@@ -250,7 +257,7 @@ class KVCacheManager:
             self.pool.touch(cached.block_ids)
         if shared is not None:
             self._copy_on_write(table, shared)
-        loaded = self._load_from_host(request_id, cached)
+        loaded = self._load_from_host(cached)
         new_block_ids = self.pool.allocate(num_new_blocks)
         if request_id not in self.block_tables:
             self.block_tables[request_id] = table
@@ -260,7 +267,7 @@ class KVCacheManager:
         table.extend(new_block_ids)
         return loaded + new_block_ids
 
-    def _load_from_host(self, request_id: str, cached: CachedPrefix) -> list[int]:
+    def _load_from_host(self, cached: CachedPrefix) -> list[int]:
         """Fresh device blocks for the host-tier hits of `cached`, cached again under their
         keys, each with its host -> device copy queued.  The slots are pinned first: the
         allocation may evict device blocks, whose offloads must not take these slots."""
@@ -274,9 +281,7 @@ class KVCacheManager:
             stored = self.pool.cache(block_id, key)
             assert stored, "a host-tier hit was cached on the device meanwhile"
             self.host.load(key, block_id)
-        start = len(cached.block_ids)
-        contents = self._block_hashes[request_id].contents[start : start + len(keys)]
-        self._misses.record_cached(contents, keys)
+        self._misses.record_cached(cached.host_contents, keys)
         return block_ids
 
     def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
@@ -313,18 +318,19 @@ class KVCacheManager:
         self._num_cached_blocks[dst_request_id] = num_cached
 
     def record_prefix_query(
-        self, request_id: str, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+        self, request: HashedRequest, num_hit_tokens: int, num_host_hit_tokens: int = 0
     ) -> None:
-        """Count one lookup (after `find_cached_prefix` for this request), the hits of each
-        tier (`num_hit_tokens` counts both, `num_host_hit_tokens` the host tier's) and the
+        """Count one lookup of all the request's tokens (`find_cached_prefix`), the hits of
+        each tier (`num_hit_tokens` counts both, `num_host_hit_tokens` the host tier's) and the
         reason of every token it missed."""
         if not self.enable_caching:
             return
+        num_tokens = len(request.all_token_ids)
         stats = self.prefix_stats
         stats.queries += num_tokens
         stats.hits += num_hit_tokens
         stats.host_hits += num_host_hit_tokens
-        hashes = self._block_hashes[request_id]
+        hashes = self._hashes(request)
         counts = self._misses.classify(
             hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,
             _EitherTier(self.pool.cached_keys, self.host),
@@ -332,22 +338,16 @@ class KVCacheManager:
         for reason, num in counts.items():
             stats.misses[reason] += num
 
-    def cache_full_blocks(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        num_computed_tokens: int,
-        cache_salt: str | None = None,
-    ) -> None:
-        """Hash and register the blocks whose tokens are now all computed."""
+    def cache_full_blocks(self, request: HashedRequest, num_computed_tokens: int) -> None:
+        """Register under their keys the blocks whose tokens are now all computed."""
         if not self.enable_caching:
             return
+        request_id = request.request_id
         num_full = num_computed_tokens // self.block_size
         start = self._num_cached_blocks[request_id]
         if num_full <= start:
             return
-        size = self.block_size
-        hashes = self._hashes(request_id, token_ids[: num_full * size], cache_salt)
+        hashes = self._hashes(request)
         table = self.block_tables[request_id]
         stored: list[int] = []  # indices of the blocks this call cached
         for i in range(start, num_full):
@@ -362,9 +362,10 @@ class KVCacheManager:
                 [hashes.contents[i] for i in stored], [hashes.keys[i] for i in stored]
             )
         if stored and self._log.active:
-            unsalted = hashes.salted == hashes.namespace  # no cache_salt: every block
-            num_unsalted = len(hashes.keys) if unsalted else hashes.num_public
-            self._log.stored(stored, hashes.keys, hashes.contents, token_ids, table, num_unsalted)
+            self._log.stored(
+                stored, hashes.keys, hashes.contents, request.all_token_ids, table,
+                hashes.num_unsalted,
+            )  # fmt: skip
 
     def _on_evict(self, block_id: int, key: bytes) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
@@ -424,9 +425,8 @@ class KVCacheManager:
         self._misses.record_foreign(contents, keys)
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first) and forget its table and hashes."""
+        """Release the request's blocks (tail first) and forget its table."""
         table = self.block_tables.pop(request_id, None)
-        self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))

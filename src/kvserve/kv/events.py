@@ -2,7 +2,7 @@
 
 The cache manager appends them while it works (only when events are enabled) and the engine
 drains them once per step; engine/kv_events.py encodes them as vLLM does and publishes them.
-Hashes are the pool keys (kv/prefix_cache.py), whole.
+Hashes are the pool keys (kv/block_hasher.py), whole.
 """
 
 from __future__ import annotations

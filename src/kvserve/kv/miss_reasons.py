@@ -18,7 +18,7 @@ hit must be a prefix); it gets the reason of the miss that broke the chain.
 
 Classification runs once per admitted request, over its blocks (not its tokens), from two
 bounded records kept as blocks are cached and removed: the keys removed recently, and a shadow
-index content hash (kv/prefix_cache.py, no namespace) -> the key it was last cached under.
+index content hash (kv/block_hasher.py, no namespace) -> the key it was last cached under.
 """
 
 from __future__ import annotations

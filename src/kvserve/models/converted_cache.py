@@ -41,7 +41,7 @@ _CONFIG, _WEIGHTS = "config.json", "model.safetensors"
 # The files (in the kvserve package) whose code decides the converted config and values.
 _CONVERTING_SOURCES = (
     "config.py", "formats/__init__.py", "formats/gguf_metadata.py", "models/gguf_loader.py",
-    "models/loader.py", "models/converted_cache.py",
+    "models/checkpoint.py", "models/converted_cache.py",
 )  # fmt: skip
 
 Converted = tuple[ModelConfig, dict[str, torch.Tensor]]

@@ -18,8 +18,9 @@ from gguf.quants import dequantize
 from kvserve.config import ModelConfig
 from kvserve.formats import FormatError, build
 from kvserve.formats.gguf_metadata import GGUFFields, open_gguf, read_gguf_metadata
+from kvserve.models.checkpoint import fuse_layer_weights, to_tensor
 from kvserve.models.converted_cache import load_converted
-from kvserve.models.loader import ModelLoadError, fuse_layer_weights, to_tensor
+from kvserve.models.paths import ModelLoadError
 from kvserve.models.registry import SUPPORTED_ARCHITECTURES
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")

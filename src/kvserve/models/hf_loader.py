@@ -11,7 +11,8 @@ from safetensors import safe_open
 from kvserve.config import ModelConfig
 from kvserve.formats import FormatError
 from kvserve.formats.hf_config import read_config_json
-from kvserve.models.loader import ModelLoadError, fuse_layer_weights, model_config_from_hf
+from kvserve.models.checkpoint import fuse_layer_weights, model_config_from_hf
+from kvserve.models.paths import ModelLoadError
 
 # HF suffix inside `model.layers.N.` -> the piece name fuse_layer_weights expects.
 _LAYER_PIECES = {

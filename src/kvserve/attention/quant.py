@@ -1,4 +1,4 @@
-"""8-bit KV cache formats: quantize on write, dequantize on read (kv/'s only torch code).
+"""8-bit KV cache formats: quantize on write, dequantize on read (torch, so not in kv/).
 
 Granularity: int8 and fp8_e4m3 keep one float32 scale per (token, kv head).  A token's K row
 can have outliers in a few channels (RoPE'd keys do) and per-tensor scales would let one

@@ -1,4 +1,4 @@
-"""Chained block hashes, cache salts and public prefixes.
+"""Chained block hashes, cache salts and public prefixes: the block hasher.
 
 A full block's pool key is a chained SHA-256:
 
@@ -23,6 +23,13 @@ miss-reason shadow index uses it to see that a block missed under one salt or KV
 cached under another ("isolated").  It only feeds statistics, so it is Python's hash of a tuple
 of ints (deterministic across processes, unlike hashes of str or bytes): a collision could only
 misname a miss.
+
+Who holds what: one `BlockHasher` per cache manager, built at start from what every request
+shares (block size, the KV dtype's namespace, the public prefixes); `for_request(cache_salt)`
+reads a request's salt, once, when the request enters the scheduler, and returns the
+request's own `BlockHashes`, which the request keeps (across preemptions) and extends as its
+tokens grow.  The cache manager only reads them: no call site can key a salted request's
+blocks without its salt, because no hashing method takes a salt.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
@@ -72,27 +78,59 @@ class PublicPrefixes:
         return [p for p in candidates if len(p) >= end and p[start:end] == block]
 
 
-@dataclass
+class BlockHasher:
+    """What every request's block hashes share, fixed at start: the block size, the namespace
+    of every key (the KV dtype) and the public prefixes.  With `enabled` False (prefix caching
+    off) the hashes it makes stay empty: nothing would read them."""
+
+    def __init__(
+        self,
+        block_size: int,
+        namespace: bytes = b"",
+        public_prefixes: Sequence[Sequence[int]] = (),
+        enabled: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.namespace = namespace
+        self.public = PublicPrefixes(public_prefixes)
+        self.enabled = enabled
+
+    def for_request(self, cache_salt: str | None) -> BlockHashes:
+        """A new request's (empty) block hashes.  The only place a cache salt is read: once per
+        request, hashed to a fixed-length namespace.  `cache_salt` has no default on purpose:
+        a caller states that a request has none."""
+        if not self.enabled:
+            return BlockHashes(self, self.namespace)
+        return BlockHashes(self, salted_namespace(self.namespace, cache_salt))
+
+
 class BlockHashes:
-    """One request's full-block hashes, extended as the request grows (memoized by the cache
-    manager until the request's blocks are freed)."""
+    """One request's full-block hashes, made by `BlockHasher.for_request` and extended by the
+    request's owner as its tokens grow; `keys[i]` and `contents[i]` are block i's pool key and
+    content hash, for every full block of the tokens seen so far."""
 
-    block_size: int
-    namespace: bytes  # for public blocks (and every block of an unsalted request)
-    salted: bytes  # for the rest
-    public: PublicPrefixes
-    contents: list[int] = field(default_factory=list)  # content hash of each block
-    keys: list[bytes] = field(default_factory=list)
-    num_public: int = 0  # leading blocks keyed without the salt
-    _candidates: list[tuple[int, ...]] | None = None  # prefixes still matching; None: done
+    def __init__(self, hasher: BlockHasher, salted: bytes) -> None:
+        self.hasher = hasher
+        self.salted = salted  # the namespace of the blocks after the public ones
+        self.keys: list[bytes] = []
+        self.contents: list[int] = []
+        self.num_public = 0  # leading blocks keyed without the salt
+        # the public prefixes still matching; None once a block is not public (or never is)
+        self._candidates: list[tuple[int, ...]] | None = None
+        if salted != hasher.namespace and hasher.public:
+            self._candidates = list(hasher.public.prefixes)
 
-    def __post_init__(self) -> None:
-        if self.salted != self.namespace and self.public:
-            self._candidates = list(self.public.prefixes)
+    @property
+    def num_unsalted(self) -> int:
+        """Leading blocks keyed without a cache salt: all of them for a request without one."""
+        return len(self.keys) if self.salted == self.hasher.namespace else self.num_public
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        """Hash every full block of `token_ids` not hashed yet."""
-        size = self.block_size
+        """Hash every full block of `token_ids` (the request's tokens, of which the blocks
+        hashed so far are the start) not hashed yet."""
+        if not self.hasher.enabled:
+            return
+        size = self.hasher.block_size
         keys, contents = self.keys, self.contents
         for i in range(len(keys), len(token_ids) // size):
             start, end = i * size, (i + 1) * size
@@ -106,10 +144,12 @@ class BlockHashes:
             contents.append(hash((contents[-1] if i else 0, *tokens)))  # the content chain
 
     def _namespace_of(self, token_ids: Sequence[int], start: int, end: int) -> bytes:
-        if self._candidates is not None:
-            self._candidates = self.public.still_matching(self._candidates, token_ids, start, end)
-            if self._candidates:
-                self.num_public += 1
-                return self.namespace
-            self._candidates = None  # public blocks only ever lead
+        """The namespace of block [start, end) while the blocks before it were all public."""
+        assert self._candidates is not None
+        public = self.hasher.public
+        self._candidates = public.still_matching(self._candidates, token_ids, start, end)
+        if self._candidates:
+            self.num_public += 1
+            return self.hasher.namespace
+        self._candidates = None  # public blocks only ever lead
         return self.salted
