@@ -20,7 +20,7 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import split_cpu_plan
-from kvserve.executor.worker import make_process_group
+from kvserve.executor.collective import make_process_group
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint

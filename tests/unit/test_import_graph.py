@@ -1,7 +1,9 @@
 """The dependency rule, read from the source: packages import one way, never in a cycle.
 
     server -> engine -> scheduler -> kv             (the scheduler and its queue: pure Python)
-    engine -> executor -> runner -> models -> attention -> kv   (executor: tensor-parallel ranks)
+    engine -> executor -> runner -> models -> attention -> kv   (executor: every rank's Worker)
+    the engine reaches the model only through the executor: it imports none of runner, models
+    and attention (so neither the model's code nor the C kernels' loader is the engine's)
     leaf modules (errors, config, flags, request, step, tokenizer, allocator) import only
     other leaves
     formats (the one config.json / GGUF metadata reader) is a leaf the loader and planner share
@@ -34,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"attention", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "kv"} | LEAVES,
     "executor": {"runner", "models", "attention", "kv"} | LEAVES,
-    "engine": SERVING | LEAVES,
+    "engine": {"executor", "kv"} | LEAVES,
     "llm": {"engine"} | LEAVES,
     "server": {"engine"} | LEAVES,
     "planner": {"kv"} | LEAVES,
@@ -121,3 +123,7 @@ def test_the_scheduler_and_kv_bookkeeping_are_pure_python():
         }  # fmt: skip
         assert engine_modules <= {"kvserve.engine.request_queue", "kvserve.engine.stopping"}, (
             name, engine_modules)  # fmt: skip
+
+
+def test_the_engine_reaches_the_model_only_through_the_executor():
+    assert not unit_graph()["engine"] & {"runner", "models", "attention"}
