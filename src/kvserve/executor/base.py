@@ -41,10 +41,6 @@ NOT_WITH_TENSOR_PARALLEL = {
         "csrc/decode_layer.c adds o_proj's and down_proj's outputs to the residual within "
         "one call, where N ranks hold partial sums that must first be all-reduced"
     ),
-    "torch.compile": (
-        "a compile that fails on one rank mid-step cannot fall back to eager alone: the "
-        "other ranks wait in the step's collectives"
-    ),
     "CUDA graphs": "captured NCCL collectives are not verified (no GPU in this environment)",
 }
 

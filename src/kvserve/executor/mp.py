@@ -14,7 +14,7 @@ STOP_TIMEOUT_S = 10.0
 
 
 def _process_main(spec: WorkerSpec, rank: int) -> None:
-    from kvserve.executor.worker import run_worker
+    from kvserve.executor.collective import run_worker
 
     try:
         run_worker(spec, rank)
@@ -34,7 +34,7 @@ class MultiprocLauncher:
         self._stop_reader, self._stop_writer = self._context.Pipe(duplex=False)
 
     def start(self, spec: WorkerSpec) -> None:
-        for rank in range(1, spec.tensor_parallel_size):
+        for rank in range(1, spec.world_size):
             process = self._context.Process(
                 target=_process_main, args=(spec, rank), name=f"kvserve-tp-rank-{rank}",
                 daemon=True,

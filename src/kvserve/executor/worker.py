@@ -185,9 +185,16 @@ class Worker:
         record the compiled kernels)."""
         assert self.runner is not None, "initialize_kv_caches first"
         choose_layer_kernels(self.model, self.runner.warm_up, self.spec.config.load.enforce_eager,
-                             self.world_size)  # fmt: skip
+                             self.world_size, self._on_every_rank)  # fmt: skip
         if self.graph_plan is not None:
             self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.num_blocks)
+
+    def _on_every_rank(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (a collective: every rank asks at once)."""
+        if self.world_size == 1:
+            return ok
+        num_failed = self.cpu_group.all_reduce(torch.tensor([0 if ok else 1]))
+        return int(num_failed) == 0
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_caches first"
