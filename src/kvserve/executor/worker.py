@@ -30,6 +30,7 @@ from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
 from kvserve.config import CacheConfig, LoadConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import WorkerSpec, tensor_parallel_refuses
+from kvserve.executor.collective import make_process_group
 from kvserve.executor.kv_dtype_check import Canary, check_kv_cache_dtype
 from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import KVCacheSpec
@@ -100,8 +101,6 @@ class Worker:
     def join(self, store: dist.Store, before_join: Callable[[], None] | None = None) -> None:
         """N > 1: say this rank is built, wait (`before_join`: rank 0 waits for every rank),
         then create the process groups that the model's collectives and the calls use."""
-        from kvserve.executor.collective import make_process_group
-
         rank, size = self.rank, self.world_size
         store.set(f"ready/{rank}", "1")
         if before_join is not None:
