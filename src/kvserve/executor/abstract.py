@@ -22,12 +22,16 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ParameterError
-from kvserve.executor.base import ExecutorFailedError, refuse_flags_with_tensor_parallel
+from kvserve.executor.base import (
+    CpuThreadPlan,
+    ExecutorFailedError,
+    refuse_flags_with_tensor_parallel,
+    set_cpu_threads,
+)
 from kvserve.executor.kv_dtype_check import canary_token_ids, wants_check
 from kvserve.executor.memory import HostMemory, kv_budget_bytes, measure_host_memory
 from kvserve.kv.spec import KVCacheSpec
-from kvserve.models.loader import Checkpoint
-from kvserve.runner.platform import CpuThreadPlan
+from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -137,12 +141,10 @@ def make_executor(config: EngineConfig, checkpoint: Checkpoint | None = None) ->
     calling thread's CPU threads are sized first (--cpu-threads-bind): the checkpoint loads
     with them."""
     from kvserve.executor.worker import resolve_placement
-    from kvserve.models.loader import load_checkpoint
-    from kvserve.runner import platform
 
     refuse_flags_with_tensor_parallel(config)
     load = config.load
-    cpu_threads = platform.set_cpu_threads(load.cpu_threads_bind)
+    cpu_threads = set_cpu_threads(load.cpu_threads_bind)
     checkpoint = checkpoint or load_checkpoint(load.model)
     device, dtype = resolve_placement(load, checkpoint.config)
     if load.tensor_parallel_size > 1:

@@ -64,6 +64,12 @@ def tensor_parallel_refuses(feature: str, world_size: int) -> bool:
     return True
 
 
+def set_cpu_threads(spec: str) -> CpuThreadPlan | None:
+    """Size torch's CPU threads by --cpu-threads-bind, pinning the calling thread's team when
+    the plan pins (runner/platform.py); the plan, or None where OMP_NUM_THREADS decides."""
+    return platform.set_cpu_threads(spec)
+
+
 def bind_compute_threads(plan: CpuThreadPlan | None) -> None:
     """The calling thread runs rank 0's steps: pin its OpenMP team as `plan` says."""
     platform.bind_compute_threads(plan)

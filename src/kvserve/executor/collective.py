@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvserve.executor.base import WorkerSpec
+from kvserve.executor.base import WorkerSpec, bind_compute_threads
 from kvserve.models.parallel import TPGroup
-from kvserve.runner import platform
 
 # An idle server waits for its next step inside a broadcast: the collective timeout must not
 # end it.  A rank that dies is seen at once anyway (its sockets close; the executor's monitor
@@ -59,7 +58,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     cpu_plan = spec.cpu_plans[rank]
     if cpu_plan is not None:  # this process's main thread runs the steps: its team
         torch.set_num_threads(len(cpu_plan.compute_cpus))
-        platform.bind_compute_threads(cpu_plan)
+        bind_compute_threads(cpu_plan)
     store = dist.TCPStore(
         spec.store_host, spec.store_port, spec.world_size, False, timeout=STORE_TIMEOUT
     )

@@ -22,14 +22,18 @@ import torch.distributed as dist
 from kvserve.config import EngineConfig, format_bytes
 from kvserve.errors import ParameterError
 from kvserve.executor.abstract import Executor
-from kvserve.executor.base import ExecutorFailedError, WorkerSpec, split_cpu_plan
+from kvserve.executor.base import (
+    CpuThreadPlan,
+    ExecutorFailedError,
+    WorkerSpec,
+    bind_compute_threads,
+    split_cpu_plan,
+)
 from kvserve.executor.collective import STORE_TIMEOUT, broadcast_object
 from kvserve.executor.worker import Worker
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
 from kvserve.models.parallel import shard_plan
-from kvserve.runner import platform
-from kvserve.runner.platform import CpuThreadPlan
 
 logger = logging.getLogger("kvserve")
 
@@ -84,7 +88,7 @@ class TensorParallelExecutor(Executor):
         self,
         config: EngineConfig,
         checkpoint: Checkpoint,
-        dtype: torch.dtype,
+        dtype: str,
         device: torch.device,
         cpu_threads: CpuThreadPlan | None = None,
         launcher: Launcher | None = None,
@@ -108,12 +112,12 @@ class TensorParallelExecutor(Executor):
         self.cpu_threads = cpu_plans[0]  # rank 0's share: the engine thread binds to it
         if self.cpu_threads is not None:
             torch.set_num_threads(len(self.cpu_threads.compute_cpus))
-            platform.bind_compute_threads(self.cpu_threads)
+            bind_compute_threads(self.cpu_threads)
         self._store = dist.TCPStore(
             self.launcher.host, 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False
         )
         spec = WorkerSpec(
-            config, platform.dtype_name(dtype), device.type, store_host=self.launcher.host,
+            config, dtype, device.type, store_host=self.launcher.host,
             store_port=self._store.port, cpu_plans=cpu_plans,
         )  # fmt: skip
         started = time.monotonic()

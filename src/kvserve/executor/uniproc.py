@@ -9,11 +9,9 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.executor.abstract import Executor
-from kvserve.executor.base import WorkerSpec
+from kvserve.executor.base import CpuThreadPlan, WorkerSpec
 from kvserve.executor.worker import Worker
 from kvserve.models.loader import Checkpoint
-from kvserve.runner import platform
-from kvserve.runner.platform import CpuThreadPlan
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -22,13 +20,13 @@ class UniProcExecutor(Executor):
         self,
         config: EngineConfig,
         checkpoint: Checkpoint,
-        dtype: torch.dtype,
+        dtype: str,
         device: torch.device,
         cpu_threads: CpuThreadPlan | None = None,
     ) -> None:
         self.config = config
         self.cpu_threads = cpu_threads
-        spec = WorkerSpec(config, platform.dtype_name(dtype), str(device))
+        spec = WorkerSpec(config, dtype, str(device))
         self.driver_worker = Worker(spec, 0, checkpoint)
 
     def collective_rpc(self, method: str, *args: object) -> Any:

@@ -46,11 +46,12 @@ logger = logging.getLogger("kvserve")
 CPU = torch.device("cpu")
 
 
-def resolve_placement(load: LoadConfig, config: ModelConfig) -> tuple[torch.device, torch.dtype]:
-    """--device and --dtype as this machine resolves them (rank 0's; the other ranks are told
-    the result, so that every rank computes in the same dtype)."""
+def resolve_placement(load: LoadConfig, config: ModelConfig) -> tuple[torch.device, str]:
+    """--device and --dtype (its name) as this machine resolves them: rank 0's, which the
+    other ranks are told, so that every rank computes in the same dtype."""
     device = platform.resolve_device(load.device)
-    return device, platform.resolve_dtype(load.dtype, device, config.torch_dtype)
+    dtype = platform.resolve_dtype(load.dtype, device, config.torch_dtype)
+    return device, platform.dtype_name(dtype)
 
 
 def rank_device(device: str, rank: int, world_size: int) -> torch.device:
