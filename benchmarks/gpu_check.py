@@ -222,7 +222,7 @@ def measure(run: Run, args, device, dtype, tmp: Path) -> list[dict]:
     for caching in sorted({w != "w3-off" for w in run.workloads}, reverse=True):
         started = time.monotonic()
         llm, vocab = build(run, caching, args, device, dtype, tmp)
-        base = {"model": run.model, "backend": describe(llm.engine.attention),
+        base = {"model": run.model, "backend": describe(llm.engine.executor.driver_worker.backend),
                 "dtype": str(dtype).removeprefix("torch."),
                 "kv_cache_dtype": llm.engine.sizing.spec.dtype,
                 "start_s": round(time.monotonic() - started, 1)}  # fmt: skip

@@ -79,15 +79,15 @@ def main() -> None:
     args = parser.parse_args()
     reexec_with_allocator()  # the allocator `kvserve serve` runs with (allocator.py)
     llm = LLM(kv_cache_memory=64 * 2**20, max_model_len=1024, enforce_eager=True)
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     chunk = args.max_num_batched_tokens
     num_chunks = cdiv(args.num_prompts * INPUT_LEN, chunk)
     prefill = seconds_per_pass(model, chunk, chunk // INPUT_LEN, repeat=3)
     decode = seconds_per_pass(model, args.num_prompts, args.num_prompts, repeat=10)
-    kv_bytes = w1_kv_read_bytes(model, args.num_prompts, llm.engine.dtype.itemsize)
+    kv_bytes = w1_kv_read_bytes(model, args.num_prompts, llm.engine.executor.dtype.itemsize)
     read_rate = read_bytes_per_second()
     result = {
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "dtype": str(llm.engine.executor.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prefill_chunk_seconds": prefill,
         "prefill_tokens_per_second": chunk / prefill,

@@ -532,14 +532,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
 
-    def __post_init__(self) -> None:
-        if self.load.tensor_parallel_size > 1 and self.cache.prefix_cache_dir:
-            raise ParameterError(
-                "--prefix-cache-dir",
-                "is not supported with --tensor-parallel-size > 1 (each rank would need its "
-                "own store); drop one of them",
-            )
-
 
 # EngineConfig's parts, in flag-group order: the CLI and LLM(**kwargs) both read this.
 ENGINE_PARTS: tuple[tuple[str, type], ...] = (

@@ -133,11 +133,12 @@ def test_the_article_configuration_runs_on_cuda_with_flex():
     llm = LLM(device=str(CUDA), dtype="float16", kv_cache_dtype="fp8", enable_prefix_caching=True,
               **memory)  # fmt: skip
     engine = llm.engine
-    assert engine.dtype == torch.float16 and engine.sizing.spec.dtype == "fp8_e4m3"
+    assert engine.executor.dtype == torch.float16 and engine.sizing.spec.dtype == "fp8_e4m3"
     expected = "flex (compiled)" if COMPILED else "flex (eager)"
-    assert describe(engine.attention) == expected
+    assert describe(engine.executor.driver_worker.backend) == expected
     outputs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
-    assert describe(engine.attention) == expected  # it compiled: no fall-back to eager
+    backend = engine.executor.driver_worker.backend
+    assert describe(backend) == expected  # it compiled: no fall-back to eager
     if COMPILED:
         assert describe(select_backend("auto", CUDA)) == "flex (compiled)"

@@ -212,7 +212,8 @@ def test_auto_dtype_follows_the_native_bf16_switch(tiny_dir, monkeypatch, native
     name = str(expected).removeprefix("torch.")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     auto = LLM(tiny_dir, dtype="auto", kv_cache_memory=2**20, max_model_len=256)
-    assert auto.engine.dtype == expected and auto.engine.kv_caches[0].key.dtype == expected
+    executor = auto.engine.executor
+    assert executor.dtype == expected and executor.kv_caches[0].key.dtype == expected
     assert auto.engine.sizing.spec.bytes_per_token == (512 if native == "0" else 256)
     explicit = LLM(tiny_dir, dtype=name, kv_cache_memory=2**20, max_model_len=256)
     got = auto.generate([PROMPT, BASE[:30]], params)

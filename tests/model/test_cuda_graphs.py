@@ -43,7 +43,7 @@ def with_graphs(tiny_dir, device: str, monkeypatch) -> LLM:
 
 def count_graph_runs(llm: LLM) -> list[tuple[int, int]]:
     """The (batch size, longest table) of every decode step a graph served, from now on."""
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.executor.driver_worker.runner.cuda_graphs
     served: list[tuple[int, int]] = []
     run = graphs.run
 
@@ -59,13 +59,13 @@ def count_graph_runs(llm: LLM) -> list[tuple[int, int]]:
 
 def check_graphs_match_eager(tiny_dir, device: str, monkeypatch) -> LLM:
     eager = make(tiny_dir, device)
-    assert eager.engine.runner.cuda_graphs is None
+    assert eager.engine.executor.driver_worker.runner.cuda_graphs is None
     reference = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, PARAMS)]
     llm = with_graphs(tiny_dir, device, monkeypatch)
-    assert llm.engine.graph_plan.batch_sizes == (1, 2, 4, 8)
-    assert llm.engine.graph_plan.block_widths == (16, 32, 64)
+    assert llm.engine.executor.driver_worker.graph_plan.batch_sizes == (1, 2, 4, 8)
+    assert llm.engine.executor.driver_worker.graph_plan.block_widths == (16, 32, 64)
     pad = llm.engine.sizing.num_blocks  # the scratch block, outside the pool
-    assert llm.engine.kv_caches[0].key.shape[0] == pad + 1
+    assert llm.engine.executor.kv_caches[0].key.shape[0] == pad + 1
     served = count_graph_runs(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference
     # 3 decodes (padded to 4) with tables of 4..23 blocks (padded to 16, then 32).
@@ -78,13 +78,14 @@ def check_graphs_match_eager(tiny_dir, device: str, monkeypatch) -> LLM:
 
 def test_padded_decode_batches_give_the_eager_tokens_on_a_cpu(tiny_dir, monkeypatch):
     llm = check_graphs_match_eager(tiny_dir, "cpu", monkeypatch)
-    assert all(graph is None for graph, _ in llm.engine.runner.cuda_graphs._graphs.values())
+    graphs = llm.engine.executor.driver_worker.runner.cuda_graphs
+    assert all(graph is None for graph, _ in graphs._graphs.values())
 
 
 @CUDA
 def test_cuda_graphs_replay_the_eager_tokens(tiny_dir, monkeypatch):
     llm = check_graphs_match_eager(tiny_dir, "cuda", monkeypatch)
-    graphs = llm.engine.runner.cuda_graphs._graphs
+    graphs = llm.engine.executor.driver_worker.runner.cuda_graphs._graphs
     assert len(graphs) == 12 and all(graph is not None for graph, _ in graphs.values())
 
 
@@ -95,7 +96,7 @@ def test_a_failed_capture_leaves_the_engine_eager_with_a_warning(tiny_dir, monke
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", fail)
     with caplog.at_level("WARNING", logger="kvserve"):
         llm = with_graphs(tiny_dir, "cpu", monkeypatch)
-    assert llm.engine.runner.cuda_graphs is None
+    assert llm.engine.executor.driver_worker.runner.cuda_graphs is None
     assert "CUDA graph capture failed, decoding eagerly (RuntimeError: operation not " in (
         caplog.text
     )
@@ -104,13 +105,14 @@ def test_a_failed_capture_leaves_the_engine_eager_with_a_warning(tiny_dir, monke
 
 @CUDA
 def test_enforce_eager_turns_the_graphs_off_on_cuda(tiny_dir):
-    assert make(tiny_dir, "cuda", enforce_eager=True).engine.runner.cuda_graphs is None
+    eager = make(tiny_dir, "cuda", enforce_eager=True)
+    assert eager.engine.executor.driver_worker.runner.cuda_graphs is None
 
 
 @CUDA
 def test_a_replayed_graph_equals_the_eager_forward(tiny_dir, monkeypatch):
     llm = with_graphs(tiny_dir, "cuda", monkeypatch)
-    graphs = llm.engine.runner.cuda_graphs
+    graphs = llm.engine.executor.driver_worker.runner.cuda_graphs
     ids = torch.tensor([5, 6, 7], device="cuda")
     positions = torch.tensor([0, 0, 0], device="cuda")
     slots = torch.tensor([0, 4, 8], device="cuda")  # blocks 0, 1, 2: one token each

@@ -21,7 +21,7 @@ def test_sizing_gives_exact_block_counts(llm):
     sizing = llm.engine.sizing
     assert sizing.spec.bytes_per_token == BYTES_PER_TOKEN
     assert sizing.num_blocks == (96 * 2**20) // (16 * BYTES_PER_TOKEN) == 136
-    assert kv_cache_bytes(llm.engine.kv_caches) == 136 * 16 * BYTES_PER_TOKEN
+    assert kv_cache_bytes(llm.engine.executor.kv_caches) == 136 * 16 * BYTES_PER_TOKEN
     assert sizing.max_concurrency == 136 / 32
     assert "136 blocks x 16 tokens = 2,176 tokens" in sizing.summary()
 

@@ -64,7 +64,8 @@ def test_compiled_layers_match_eager(tiny_dir, dtype, tolerance):
                    enforce_eager=eager)  # fmt: skip
 
     eager, compiled = make(True), make(False)
-    assert compiled.engine.model.kernels is not eager.engine.model.kernels  # really compiled
+    compiled_model = compiled.engine.executor.driver_worker.model  # really compiled:
+    assert compiled_model.kernels is not eager.engine.executor.driver_worker.model.kernels
     eager_tokens, eager_lp = _logprobs_and_tokens(eager)
     compiled_tokens, compiled_lp = _logprobs_and_tokens(compiled)
     if dtype == "float32":
@@ -128,7 +129,7 @@ def test_rows_padded_once_per_step_give_the_same_logprobs(tiny_dir):
     prefix caching: the second run must compute what the first did, not read it back."""
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
               enforce_eager=True, enable_prefix_caching=False)  # fmt: skip
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     assert model.pads_rows
     padded = _logprobs_and_tokens(llm)
     model.pads_rows = False
@@ -143,7 +144,7 @@ def test_the_lm_head_takes_the_kernel_up_to_its_row_limit(tiny_dir):
     rounding of oneDNN's."""
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
               enforce_eager=True)  # fmt: skip
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     head, limit = model.logits_head, logits_kernel_max_rows()
     assert 0 <= head.kernel_rows <= limit
     assert all(layer.qkv_proj.kernel_rows in (0, KERNEL_ALL_ROWS) for layer in model.layers)
@@ -256,7 +257,7 @@ def test_the_warm_up_compiles_every_graph_a_step_needs(tiny_dir):
 
     llm = LLM(tiny_dir, dtype="bfloat16", kv_cache_memory=4 * 2**20, max_model_len=256,
               enforce_eager=False, enable_prefix_caching=False)  # fmt: skip
-    assert llm.engine.model.native_layers is None
+    assert llm.engine.executor.driver_worker.model.native_layers is None
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in

@@ -33,7 +33,7 @@ def make(tiny_dir: str, caching: bool = True) -> LLM:
 
 def poison_runner(llm: LLM) -> None:
     """Make the model raise in any step that computes POISON (as a kernel bug would)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.runner
     execute = runner.execute
 
     def poisoned(output):  # noqa: ANN001, ANN202

@@ -38,11 +38,11 @@ def test_flex_gives_the_reference_greedy_tokens(embedded_tokenizer):
         enable_prefix_caching=True,
         max_num_batched_tokens=16,
     )
-    assert isinstance(llm.engine.runner.backend, FlexAttentionBackend)
+    assert isinstance(llm.engine.executor.driver_worker.runner.backend, FlexAttentionBackend)
     flex, flex_hits = greedy_tokens(llm)
     # The same engine with the reference backend (one model load instead of two: seconds).
     llm.engine.reset_prefix_cache()
-    llm.engine.runner.backend = TorchRefBackend()
+    llm.engine.executor.driver_worker.runner.backend = TorchRefBackend()
     reference, reference_hits = greedy_tokens(llm)
     assert flex == reference
     assert flex_hits == reference_hits >= 16  # the cached system prompt was read

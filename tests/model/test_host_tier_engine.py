@@ -37,7 +37,8 @@ def make(tiny_dir, offloading: float | None, num_blocks: int = 12, **kw) -> LLM:
 def block_kv(llm: LLM, block_ids: list[int]) -> torch.Tensor:
     """Every layer's K and V of these device blocks: [layers, 2, n, block, heads, dim]."""
     ids = torch.tensor(block_ids)
-    return torch.stack([torch.stack((c.key[ids], c.value[ids])) for c in llm.engine.kv_caches])
+    caches = llm.engine.executor.kv_caches
+    return torch.stack([torch.stack((c.key[ids], c.value[ids])) for c in caches])
 
 
 def generate(llm: LLM, request_id: str, prompt: list[int], max_tokens: int):
@@ -56,13 +57,13 @@ def generate(llm: LLM, request_id: str, prompt: list[int], max_tokens: int):
 def count_computed_tokens(llm: LLM) -> list[int]:
     """A one-element list that sums the tokens the model computes from now on."""
     total = [0]
-    execute = llm.engine.runner.execute
+    execute = llm.engine.executor.execute
 
     def counting(output):
         total[0] += output.num_scheduled_tokens
         return execute(output)
 
-    llm.engine.runner.execute = counting
+    llm.engine.executor.execute = counting
     return total
 
 
@@ -120,18 +121,18 @@ def test_a_step_failing_around_host_copies_forgets_both_tiers(tiny_dir):
     first, _ = generate(llm, "a", A, 8)
     generate(llm, "b", B, 8)
     engine = llm.engine
-    execute = engine.runner.execute
+    execute = engine.executor.execute
 
     def failing(output):
         if output.blocks_from_host:
             raise RuntimeError("injected: the copies did not run")
         return execute(output)
 
-    engine.runner.execute = failing
+    engine.executor.execute = failing
     engine.add_request("a2", A, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with pytest.raises(StepFailedError):
         engine.step()
-    engine.runner.execute = execute
+    engine.executor.execute = execute
     assert engine.cache_manager.host.num_used_slots == 0
     assert engine.cache_manager.pool.num_cached_blocks == 0
     assert generate(llm, "a3", A, 8)[0] == first  # recomputed from scratch

@@ -9,15 +9,16 @@ import logging
 import pytest
 
 from kvserve.config import CacheConfig, EngineConfig, LoadConfig
-from kvserve.engine.kv_dtype_check import Canary, check_kv_cache_dtype
 from kvserve.errors import ParameterError
 from kvserve.evaluation.kv_eval import load_model
+from kvserve.executor.kv_dtype_check import Canary, canary_token_ids, check_kv_cache_dtype
 
 
 @pytest.fixture(scope="module")
 def canary() -> Canary:
     loaded = load_model(EngineConfig(load=LoadConfig(dtype="float32")))
-    return Canary(loaded.model, loaded.config, loaded.tokenizer, loaded.dtype, 16, loaded.device)
+    token_ids = canary_token_ids(loaded.tokenizer)
+    return Canary(loaded.model, loaded.config, token_ids, loaded.dtype, 16, loaded.device)
 
 
 def test_the_default_minimum_passes_every_8_bit_dtype_and_logs_one_line(canary, caplog):

@@ -137,10 +137,10 @@ def test_int8_engine_block_count_and_tokens_equal_the_harness(checkpoint, model,
     sizing = engine.sizing
     assert sizing.spec.bytes_per_token == 2 * 30 * 3 * (64 + 4) == 12_240
     assert sizing.num_blocks == 96 * 2**20 // (16 * 12_240) == 514
-    assert kv_cache_bytes(engine.kv_caches) == 514 * 16 * 12_240
+    assert kv_cache_bytes(engine.executor.kv_caches) == 514 * 16 * 12_240
     assert "514 blocks x 16 tokens = 8,224 tokens" in sizing.summary()
     assert "12,240 bytes/token, int8" in sizing.summary()
-    assert engine.kv_caches[0].key.dtype == torch.int8
+    assert engine.executor.kv_caches[0].key.dtype == torch.int8
     prompts = [text_ids[100:140], text_ids[5000:5040]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(prompts):

@@ -72,7 +72,7 @@ def test_native_layers_equal_the_compiled_layers_bit_for_bit(model_dirs, arch):
     after padding), 37 tokens (48 rows), 128 tokens and a prefill's 520 tokens (528 rows:
     the projections' kernel takes them in chunks of 256): every output equal to the compiled
     layers' in the rows the step uses."""
-    model = _served_engine(model_dirs[arch]).engine.model
+    model = _served_engine(model_dirs[arch]).engine.executor.driver_worker.model
     native, compiled = model.native_layers, compiled_kernels()
     assert native is not None
     assert all(layer.qkv_proj.kernel_rows == KERNEL_ALL_ROWS for layer in model.layers)
@@ -102,7 +102,7 @@ def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs
     of 339 tokens, past the projections' 256-row chunks, too), equal those of the compiled
     layers alone; its decode steps did go through the native path."""
     llm = _served_engine(model_dirs["llama"])
-    model = llm.engine.model
+    model = llm.engine.executor.driver_worker.model
     calls = []
     original = NativeLayers.between_attentions
 
@@ -161,7 +161,7 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(
     new rows; over an 8-bit one the one-call step quantizes them with the per-layer path's
     store (the same codes and scales) before each layer's attention."""
     llm = _served_engine(model_dirs["llama"], kv_cache_dtype)
-    native = llm.engine.model.native_layers
+    native = llm.engine.executor.driver_worker.model.native_layers
     assert native.runs_whole_steps
     whole_steps = _count_whole_steps(monkeypatch)
     whole = _greedy_run(llm)
@@ -184,7 +184,7 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
 
     llm = _served_engine(model_dirs["llama"])
     engine = llm.engine
-    caches, dtype, heads = engine.kv_caches, torch.bfloat16, 4
+    caches, dtype, heads = engine.executor.kv_caches, torch.bfloat16, 4
     tables = torch.arange(40, dtype=torch.int32).view(4, 10)
 
     def decodes(count: int, shared_blocks: int) -> AttentionMetadata:
@@ -195,7 +195,8 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
         )  # fmt: skip
 
     def plan(metadata, kv_caches=caches, model_dtype=dtype):
-        return engine.attention.decode_step_plan(kv_caches, metadata, model_dtype, heads)
+        backend = engine.executor.driver_worker.backend
+        return backend.decode_step_plan(kv_caches, metadata, model_dtype, heads)
 
     whole = plan(decodes(4, 7))  # 112 shared tokens: not attended apart
     assert whole.tables.dtype == torch.int64 and whole.block_size == 16
@@ -233,7 +234,7 @@ def test_decode_steps_after_a_shared_prefix_in_one_call_give_the_per_layer_token
     def run(whole_steps: bool) -> tuple[list, list[int]]:
         llm = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                   max_model_len=256, enforce_eager=False)  # fmt: skip
-        native = llm.engine.model.native_layers
+        native = llm.engine.executor.driver_worker.model.native_layers
         native.runs_whole_steps = whole_steps
         prefixes = []
         original = native.run_step
@@ -273,7 +274,7 @@ def test_start_up_compiles_nothing_where_the_native_path_serves(model_dirs, monk
     graphs = counters["stats"]["unique_graphs"]
     llm = _served_engine(model_dirs["llama"])
     assert warm_ups == [(True,)]
-    assert llm.engine.model.kernels is llama.EAGER
+    assert llm.engine.executor.driver_worker.model.kernels is llama.EAGER
     prompts = [[(i * 7919 + j) % 40000 + 7 for i in range(length)] for j, length in
                enumerate((150, 144, 200))]  # fmt: skip
     for prompt in prompts:
@@ -295,8 +296,8 @@ def test_a_failing_native_path_leaves_the_compiled_layers(model_dirs, monkeypatc
 
     monkeypatch.setattr(NativeLayers, "pre_attention", broken)
     llm = _served_engine(model_dirs["llama"])
-    assert llm.engine.model.native_layers is None
-    assert llm.engine.model.kernels is not llama.EAGER  # compiled
+    assert llm.engine.executor.driver_worker.model.native_layers is None
+    assert llm.engine.executor.driver_worker.model.kernels is not llama.EAGER  # compiled
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
@@ -318,8 +319,8 @@ def test_a_failing_compiler_leaves_eager_layers(model_dirs, monkeypatch):
     monkeypatch.setattr(llama.LlamaForCausalLM, "compile", compile_broken)
     monkeypatch.setattr(NativeLayers, "build", classmethod(lambda cls, layers: None))
     llm = _served_engine(model_dirs["llama"])
-    assert llm.engine.model.kernels is llama.EAGER
-    assert llm.engine.model.native_layers is None
+    assert llm.engine.executor.driver_worker.model.kernels is llama.EAGER
+    assert llm.engine.executor.driver_worker.model.native_layers is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
 
 
@@ -327,10 +328,10 @@ def test_eager_engines_and_unservable_shapes_have_no_native_path(model_dirs, tin
     """--enforce-eager keeps the reference layers; a head_dim of 16 is not served."""
     eager = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                 max_model_len=256, enforce_eager=True)  # fmt: skip
-    assert eager.engine.model.native_layers is None
+    assert eager.engine.executor.driver_worker.model.native_layers is None
     narrow = LLM(str(tiny_model_dir("llama3")[0]), dtype="bfloat16", kv_cache_memory=4 * 2**20,
                  max_model_len=256)  # fmt: skip
-    assert NativeLayers.build(narrow.engine.model.layers) is None
+    assert NativeLayers.build(narrow.engine.executor.driver_worker.model.layers) is None
 
 
 def test_a_running_profiler_keeps_the_per_layer_calls(model_dirs, monkeypatch):

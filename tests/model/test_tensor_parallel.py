@@ -19,10 +19,12 @@ from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.config import ModelConfig
 from kvserve.errors import ParameterError
+from kvserve.executor import layer_kernels
 from kvserve.executor.base import split_cpu_plan
-from kvserve.executor.worker import make_process_group
+from kvserve.executor.collective import make_process_group
+from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.llama import EAGER, LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.parallel import TPGroup, build_sharded_model, shard_plan
 from kvserve.request import SamplingParams
@@ -239,3 +241,27 @@ def test_each_rank_holds_its_share_of_weights_and_kv(embedded):
     whole_kv = num_blocks * whole_spec.bytes_per_block
     assert kv_bytes == [whole_kv * 2 // 3, whole_kv // 3]
     assert kv_bytes[0] == num_blocks * tp_spec.bytes_per_block  # the accounting's per-rank bytes
+
+
+def test_ranks_compile_together_or_run_eagerly_together(monkeypatch):
+    """N ranks cannot fall back apart (executor/layer_kernels.py): where one rank cannot
+    compile, no rank compiles nor warms up; a compile that fails later on is raised (the
+    start-up ends) where one rank alone falls back to eager."""
+    model = LlamaForCausalLM.from_weights(RANDOM_8Q_2KV, random_weights(RANDOM_8Q_2KV),
+                                          torch.float32, CPU)  # fmt: skip
+    monkeypatch.setattr(layer_kernels, "_compiles_here", lambda model: True)
+
+    def never() -> None:
+        pytest.fail("no warm-up: another rank cannot compile")
+
+    def failing() -> None:
+        raise RuntimeError("inductor failed")
+
+    choose_layer_kernels(model, never, False, 2, all_ranks=lambda ok: False)
+    assert model.kernels is EAGER and model.native_layers is None
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        choose_layer_kernels(model, failing, False, 2, all_ranks=lambda ok: ok)
+    alone = LlamaForCausalLM.from_weights(RANDOM_8Q_2KV, random_weights(RANDOM_8Q_2KV),
+                                          torch.float32, CPU)  # fmt: skip
+    choose_layer_kernels(alone, failing, False, 1, all_ranks=lambda ok: pytest.fail("asked"))
+    assert alone.kernels is EAGER

@@ -1,15 +1,24 @@
 """The whole engine with --tensor-parallel-size 2 (a worker process, gloo) against one rank:
 the features that live outside the model (8-bit KV, preemption under a tiny cache, the host
-tier, n > 1, prefix caching) work unchanged, with the same greedy tokens.
+tier, n > 1, prefix caching) work unchanged, with the same greedy tokens; so do the Worker's
+start-up features (the KV dtype check, the layers' path: torch.compile with N ranks, the
+native path with one), and --prefix-cache-dir is refused with its reason before anything loads.
 
 Tiny random Llama (tests/conftest.py: 4 query / 2 KV heads, so 2 + 1 per rank), float32;
-the device cache holds 12 blocks of 16 tokens: two requests growing to 9 blocks each preempt."""
+the device cache holds 12 blocks of 16 tokens: two requests growing to 9 blocks each preempt.
+The embedded model in bfloat16 for the native path's comparison."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.errors import ParameterError
+from kvserve.models.native_layers import _functions
+from kvserve.models.packed_linear import can_pack
 from kvserve.planner.layers import kv_layout
 from kvserve.planner.plan import engine_kv_capacity, kv_capacity
 from kvserve.planner.readers import load_model_shape
@@ -19,7 +28,7 @@ A = [(i * 7919) % 40000 + 7 for i in range(60)]
 B = [(i * 104729) % 40000 + 11 for i in range(60)]
 
 
-def make(directory: str, tensor_parallel_size: int) -> LLM:
+def make(directory: str, tensor_parallel_size: int, **kw) -> LLM:
     # int8: 2 KV heads x 16 dims x (1 byte + 4 scale bytes / 16 dims) x 2 x 2 layers per
     # token on one rank; the KV budget is sized for 12 blocks of it (per rank with TP 2)
     per_token = 2 * 2 * 2 * (16 + 4) // tensor_parallel_size
@@ -27,7 +36,7 @@ def make(directory: str, tensor_parallel_size: int) -> LLM:
         directory, dtype="float32", block_size=BLOCK, max_model_len=12 * BLOCK,
         kv_cache_dtype="int8", kv_cache_dtype_check="off",
         kv_cache_memory=12 * BLOCK * per_token, kv_offloading_size=2**-10,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, **kw,
     )  # fmt: skip
 
 
@@ -81,3 +90,67 @@ def test_tp2_engine_equals_one_rank_with_int8_preemption_host_tier_and_n2(tiny_d
         assert stats.prefix_cache_hits == one_stats.prefix_cache_hits >= 32
     finally:
         two.engine.close()
+
+
+# Clear greedy choices: one rank's top-1 logit leads the next by >= 0.75 at each of these
+# prompts' first 5 tokens (the embedded model in bfloat16, eager, int8 KV).  bfloat16 ranks
+# round their o_proj / down_proj partial sums before the all-reduce, where one rank rounds the
+# whole sum once: a longer generation may part from one rank's at a near-tie.
+BF16_PROMPTS = ["1, 2, 3, 4, 5,", "Q: What is 2 + 2?\nA:", "The chemical symbol for gold is",
+                "The capital of France is"]  # fmt: skip
+
+
+def native_path_serves_bfloat16() -> bool:
+    """This CPU has the layers' native path (bfloat16 packing and an AMX or AVX512-BF16
+    build of csrc/decode_layer.c)."""
+    return can_pack(torch.device("cpu"), torch.bfloat16) and _functions() is not None
+
+
+def test_tp2_bfloat16_checks_the_kv_dtype_and_equals_one_rank_on_the_native_path(caplog):
+    """As `kvserve serve` runs (not eager) where this CPU has the native path: one rank takes
+    it, two ranks refuse it (executor/base.py) and compile their layers; both ranks run the
+    int8 KV dtype check, and the greedy tokens equal one rank's.  Without the native path both
+    run eagerly (a compile of the embedded model would cost minutes on a small machine)."""
+    eager = not native_path_serves_bfloat16()
+
+    def make(tensor_parallel_size: int, **kw) -> LLM:
+        return LLM(dtype="bfloat16", kv_cache_dtype="int8", kv_cache_memory=8 * 2**20,
+                   max_model_len=256, enable_prefix_caching=False, enforce_eager=eager,
+                   tensor_parallel_size=tensor_parallel_size, **kw)  # fmt: skip
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    one = make(1, kv_cache_dtype_check="off")
+    assert (one.engine.executor.driver_worker.model.native_layers is None) == eager
+    reference = [o.outputs[0].token_ids for o in one.generate(BF16_PROMPTS, greedy)]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        two = make(2)  # --kv-cache-dtype-check refuse, the default
+    try:
+        checks = [m for m in caplog.messages if m.startswith("KV cache dtype check: int8 vs ")]
+        assert len(checks) == 1 and checks[0].endswith(": pass")  # rank 0's line
+        assert two.engine.sizing.spec.dtype == "int8"
+        if not eager:
+            assert "tensor parallel: no native layers" in caplog.text
+            assert "compiled the layers with torch.compile" in caplog.text
+        assert [o.outputs[0].token_ids for o in two.generate(BF16_PROMPTS, greedy)] == reference
+    finally:
+        two.engine.close()
+
+
+def test_tp2_compiles_the_layers_on_every_rank(tiny_dir, caplog):
+    """Not eager: every rank compiles its layers (after every rank showed it can compile),
+    with one rank's eager tokens (float32: compiled and eager layers agree)."""
+    one = make(tiny_dir, 1)
+    reference, _ = run(one)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        two = make(tiny_dir, 2, enforce_eager=False)
+    try:
+        assert "compiled the layers with torch.compile" in caplog.text
+        assert two.engine.executor.driver_worker.model.native_layers is None
+        assert run(two)[0] == reference
+    finally:
+        two.engine.close()
+
+
+def test_prefix_cache_dir_is_refused_with_its_reason_before_anything_loads(tmp_path):
+    with pytest.raises(ParameterError, match="each rank holds only its own KV heads"):
+        LLM("/no/such/model", tensor_parallel_size=2, prefix_cache_dir=str(tmp_path))

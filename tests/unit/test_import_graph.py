@@ -1,7 +1,9 @@
 """The dependency rule, read from the source: packages import one way, never in a cycle.
 
     server -> engine -> scheduler -> kv             (the scheduler and its queue: pure Python)
-    engine -> executor -> runner -> models -> attention -> kv   (executor: tensor-parallel ranks)
+    engine -> executor -> runner -> models -> attention -> kv   (executor: every rank's Worker)
+    the engine reaches the model only through the executor: it imports none of runner, models
+    and attention (so neither the model's code nor the C kernels' loader is the engine's)
     leaf modules (errors, config, flags, request, step, tokenizer, allocator) import only
     other leaves, and request also kv/block_hasher.py (a request owns its block hashes)
     formats (the one config.json / GGUF metadata reader) is a leaf the loader and planner share
@@ -48,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"attention", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "kv"} | LEAVES,
     "executor": {"runner", "models", "attention", "kv"} | LEAVES,
-    "engine": SERVING | LEAVES,
+    "engine": {"executor", "kv"} | LEAVES,
     "llm": {"engine"} | LEAVES,
     "server": {"engine"} | LEAVES,
     "planner": {"kv"} | LEAVES,
@@ -223,3 +225,7 @@ def test_importing_kv_and_the_scheduler_loads_no_torch():
         env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_engine_reaches_the_model_only_through_the_executor():
+    assert not unit_graph()["engine"] & {"runner", "models", "attention"}

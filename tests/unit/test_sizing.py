@@ -9,16 +9,17 @@ import torch
 
 from kvserve.config import CacheConfig
 from kvserve.engine import sizing
-from kvserve.engine.sizing import (
+from kvserve.engine.sizing import resolve_max_model_len
+from kvserve.errors import ParameterError
+from kvserve.executor import memory
+from kvserve.executor.memory import (
     GIB,
     MIB,
     CapacityError,
     HostMemory,
     cpu_kv_budget_bytes,
     kv_budget_bytes,
-    resolve_max_model_len,
 )
-from kvserve.errors import ParameterError
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.runner import platform
 
@@ -92,7 +93,7 @@ def test_kv_budget_bytes_measures_the_host_on_a_cpu(monkeypatch):
     cache = CacheConfig(gpu_memory_utilization=0.5)
     never = lambda: pytest.fail("a CPU does not profile activations")  # noqa: E731
     assert kv_budget_bytes(cache, torch.device("cpu"), WEIGHTS, never) == 5 * GIB
-    assert sizing.measure_host_memory() == HOST
+    assert memory.measure_host_memory() == HOST
 
 
 def test_gpu_budget_is_utilization_of_device_memory_less_weights_and_activations(monkeypatch):
@@ -125,7 +126,7 @@ def test_gpu_budget_subtracts_the_cuda_graph_pool_and_non_torch_memory_and_logs_
 
 
 def test_gpu_budget_arithmetic():
-    budget = sizing.GpuMemoryBudget(
+    budget = memory.GpuMemoryBudget(
         total=141 * GIB, utilization=0.9, weights=15 * GIB, activations=2 * GIB,
         cuda_graphs=GIB, non_torch=GIB,
     )  # fmt: skip

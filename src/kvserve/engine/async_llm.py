@@ -44,8 +44,8 @@ from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.engine.watchdog import EngineStalledError, StallWatchdog
 from kvserve.errors import QueueFullError, RequestFailedError
+from kvserve.executor.base import bind_compute_threads, bind_server_threads
 from kvserve.request import RequestOutputKind, SamplingParams
-from kvserve.runner import platform
 from kvserve.step import RequestOutput, SchedulerStats, merge_deltas
 
 logger = logging.getLogger("kvserve")
@@ -198,7 +198,7 @@ class AsyncLLM:
             self._go.set()
         else:
             self._thread.start()
-        platform.bind_server_threads(self.engine.cpu_threads)
+        bind_server_threads(self.engine.cpu_threads)
 
     @property
     def is_running(self) -> bool:
@@ -300,7 +300,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            platform.bind_compute_threads(self.engine.cpu_threads)  # this thread's own team
+            bind_compute_threads(self.engine.cpu_threads)  # this thread's own team
             with heap_frozen():  # no collection walks the engine's own objects (gc_freeze.py)
                 self._serve()
         except BaseException as exc:  # noqa: BLE001 - anything here ends the engine

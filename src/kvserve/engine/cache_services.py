@@ -11,12 +11,15 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
 from kvserve.kv.cache_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvserve.engine.prefix_store import LayerKVTensors
 
 
 class PrefixCacheServices:
@@ -59,7 +62,7 @@ class PrefixCacheServices:
     def open_store(
         self,
         fingerprint: dict[str, str],
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[LayerKVTensors],
         cache_manager: KVCacheManager,
     ) -> None:
         """With --prefix-cache-dir: load the matching blocks into `cache_manager` (never

@@ -49,11 +49,11 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
-from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.engine.store_writer import (
     GROUP_NAME,
     GroupDeletion,
@@ -116,6 +116,16 @@ def differences(stored: dict[str, str], current: dict[str, str]) -> list[str]:
     ]
 
 
+class LayerKVTensors(Protocol):
+    """What the store reads and writes of one layer's KV cache (attention/kv_cache.py's
+    LayerKVCache, as the executor hands it over): the tables indexed by block id."""
+
+    key: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    value: torch.Tensor
+    key_scale: torch.Tensor | None  # [num_blocks, block_size, kv_heads], scaled 8-bit only
+    value_scale: torch.Tensor | None
+
+
 @dataclass
 class _Group:
     path: Path
@@ -132,7 +142,7 @@ class PrefixStore:
         directory: Path,
         print_: dict[str, str],
         max_bytes: int,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[LayerKVTensors],
         max_pending_bytes: int = MAX_PENDING_BYTES,
     ) -> None:
         """Takes the directory's lock; never raises (a directory it cannot use turns the
@@ -443,7 +453,7 @@ class PrefixStore:
         return f"no room for their copies within {WRITER_STALL_S:.0f} s"
 
 
-def _bytes_per_block(kv_caches: list[LayerKVCache]) -> int:
+def _bytes_per_block(kv_caches: list[LayerKVTensors]) -> int:
     """Bytes of one block's copies: its K/V (and scales) in every layer."""
     return sum(
         table[0].numel() * table.element_size()
@@ -452,7 +462,7 @@ def _bytes_per_block(kv_caches: list[LayerKVCache]) -> int:
     )
 
 
-def _tables(cache: LayerKVCache) -> list[tuple[str, torch.Tensor]]:
+def _tables(cache: LayerKVTensors) -> list[tuple[str, torch.Tensor]]:
     tables = [("key", cache.key), ("value", cache.value)]
     if cache.key_scale is not None and cache.value_scale is not None:
         tables += [("key_scale", cache.key_scale), ("value_scale", cache.value_scale)]

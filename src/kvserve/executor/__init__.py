@@ -1,2 +1,3 @@
-"""Executors: how the engine's step reaches the model, in this process (tensor-parallel size 1:
-the ModelRunner itself) or on tensor-parallel ranks (worker processes or Ray actors)."""
+"""Executors: how the engine's start-up and steps reach the model, through one Worker per rank
+(worker.py): in this process for one rank (uniproc.py), or on tensor-parallel ranks (worker
+processes or Ray actors: tensor_parallel.py).  The engine's entry point is abstract.py."""

@@ -1,4 +1,6 @@
-"""The executor contract the engine steps through, and the picklable description of a rank.
+"""What every executor shares: the error that ends serving, the picklable description of a
+rank, the CPU thread plan shared out among ranks, and the one place that says what N ranks do
+not run, and why.
 
     engine process                               rank r (worker process or Ray actor)
     --------------                               -----------------------------------
@@ -9,26 +11,73 @@
          all-reduce / all-gather <──────────>    all-reduce / all-gather
       <- rank 0's ModelRunnerOutput              (its identical output is dropped)
 
-The scheduler, the block tables and the sampling state's owner stay in the engine process;
-every rank runs the same ModelRunner code on its shard, so with one seed every rank samples
-the same tokens and only rank 0's are used.
+With one rank the same Worker runs in the engine process and nothing is broadcast.  The
+scheduler, the block tables and the sampling state's owner stay in the engine process; every
+rank runs the same ModelRunner code on its shard, so with one seed every rank samples the same
+tokens and only rank 0's are used.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Protocol
 
+from kvserve.config import EngineConfig
+from kvserve.errors import ParameterError
+from kvserve.runner import platform
 from kvserve.runner.platform import CpuThreadPlan
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("kvserve")
+
+# What one rank runs and N ranks do not, and why: decided here only.  A flag that asks for one
+# is refused before anything loads (refuse_flags_with_tensor_parallel); a path taken only where
+# it serves is left off with one log line (tensor_parallel_refuses).
+NOT_WITH_TENSOR_PARALLEL = {
+    "--prefix-cache-dir": (
+        "the store copies one process's K/V tensors to disk and back, and each rank holds "
+        "only its own KV heads (each rank would need its own store)"
+    ),
+    "native layers": (
+        "csrc/decode_layer.c adds o_proj's and down_proj's outputs to the residual within "
+        "one call, where N ranks hold partial sums that must first be all-reduced"
+    ),
+    "CUDA graphs": "capturing NCCL collectives in CUDA graphs has not been tested",
+}
 
 
-class Executor(Protocol):
-    """What the engine needs of whatever runs the model (ModelRunner satisfies it)."""
+def refuse_flags_with_tensor_parallel(config: EngineConfig) -> None:
+    """ParameterError naming a flag that N ranks refuse (before the model loads)."""
+    if config.load.tensor_parallel_size > 1 and config.cache.prefix_cache_dir:
+        flag = "--prefix-cache-dir"
+        raise ParameterError(
+            flag, f"is not supported with --tensor-parallel-size > 1: "
+            f"{NOT_WITH_TENSOR_PARALLEL[flag]}; drop one of them",
+        )  # fmt: skip
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def warm_up(self) -> None: ...
+def tensor_parallel_refuses(feature: str, world_size: int) -> bool:
+    """True, with one log line (rank 0's reaches the engine's log), where `world_size` ranks
+    do not run `feature` (a key of NOT_WITH_TENSOR_PARALLEL)."""
+    if world_size == 1:
+        return False
+    logger.info("tensor parallel: no %s (%s)", feature, NOT_WITH_TENSOR_PARALLEL[feature])
+    return True
+
+
+def set_cpu_threads(spec: str) -> CpuThreadPlan | None:
+    """Size torch's CPU threads by --cpu-threads-bind, pinning the calling thread's team when
+    the plan pins (runner/platform.py); the plan, or None where OMP_NUM_THREADS decides."""
+    return platform.set_cpu_threads(spec)
+
+
+def bind_compute_threads(plan: CpuThreadPlan | None) -> None:
+    """The calling thread runs rank 0's steps: pin its OpenMP team as `plan` says."""
+    platform.bind_compute_threads(plan)
+
+
+def bind_server_threads(plan: CpuThreadPlan | None) -> None:
+    """Keep the calling thread (and those it starts) off the compute CPUs of `plan`."""
+    platform.bind_server_threads(plan)
 
 
 class ExecutorFailedError(RuntimeError):
@@ -40,20 +89,22 @@ class ExecutorFailedError(RuntimeError):
 class WorkerSpec:
     """Everything a rank needs to build itself, picklable (sent to processes and actors)."""
 
-    model: str | None  # as --model gave it; every rank loads the checkpoint itself
-    dtype: str  # resolved model dtype name, e.g. "float32"
-    device: str  # "cpu" or "cuda"
-    attention_backend: str
-    tensor_parallel_size: int
-    store_host: str  # the engine's TCPStore, which joins the ranks
-    store_port: int
-    seed: int
-    # each rank's share of the engine's CPU thread plan (None: torch's threads as they are)
-    cpu_plans: tuple[CpuThreadPlan | None, ...]
+    config: EngineConfig  # every rank loads the checkpoint of config.load.model itself
+    dtype: str  # rank 0's resolved model dtype name, e.g. "float32"
+    device: str  # rank 0's resolved device: "cpu", "cuda", "cuda:1"
+    # N > 1: the engine's TCPStore, which joins the ranks, and each rank's share of the
+    # engine's CPU thread plan (None: torch's threads as they are)
+    store_host: str = ""
+    store_port: int = 0
+    cpu_plans: tuple[CpuThreadPlan | None, ...] = (None,)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.load.tensor_parallel_size
 
     @property
     def group_backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
+        return "nccl" if self.device.startswith("cuda") else "gloo"
 
 
 def split_cpu_plan(

@@ -34,7 +34,7 @@ class MultiprocLauncher:
         self._stop_reader, self._stop_writer = self._context.Pipe(duplex=False)
 
     def start(self, spec: WorkerSpec) -> None:
-        for rank in range(1, spec.tensor_parallel_size):
+        for rank in range(1, spec.world_size):
             process = self._context.Process(
                 target=_process_main, args=(spec, rank), name=f"kvserve-tp-rank-{rank}",
                 daemon=True,

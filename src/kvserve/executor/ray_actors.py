@@ -48,9 +48,9 @@ class RayLauncher:
         self._stopping = False
 
     def start(self, spec: WorkerSpec) -> None:
-        gpus = 1 if spec.device == "cuda" else 0
+        gpus = 1 if spec.device.startswith("cuda") else 0
         actor_class = self._ray.remote(num_cpus=1 if gpus == 0 else 0, num_gpus=gpus)(_RankActor)
-        for rank in range(1, spec.tensor_parallel_size):
+        for rank in range(1, spec.world_size):
             self.actors[rank] = actor_class.options(max_restarts=0).remote()
         # asked before `run`, which occupies each actor for good
         pids = self._ray.get([actor.pid.remote() for actor in self.actors.values()])

@@ -19,16 +19,21 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from kvserve.config import LoadConfig, format_bytes
+from kvserve.config import EngineConfig, format_bytes
 from kvserve.errors import ParameterError
-from kvserve.executor.base import ExecutorFailedError, WorkerSpec, split_cpu_plan
-from kvserve.executor.worker import STORE_TIMEOUT, Worker, broadcast_object
+from kvserve.executor.abstract import Executor
+from kvserve.executor.base import (
+    CpuThreadPlan,
+    ExecutorFailedError,
+    WorkerSpec,
+    bind_compute_threads,
+    split_cpu_plan,
+)
+from kvserve.executor.collective import STORE_TIMEOUT, broadcast_object
+from kvserve.executor.worker import Worker
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
 from kvserve.models.parallel import shard_plan
-from kvserve.runner import platform
-from kvserve.runner.platform import CpuThreadPlan
-from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvserve")
 
@@ -75,20 +80,23 @@ def make_launcher(backend: str) -> Launcher:
     return MultiprocLauncher()
 
 
-class TensorParallelExecutor:
-    """Executor over N ranks; `model`, `kv_caches` are rank 0's (the engine sizes from them)."""
+class TensorParallelExecutor(Executor):
+    """Executor over N ranks: rank 0's Worker in this process (`driver_worker`: the engine
+    sizes the KV cache from its weights), the others started by a launcher."""
 
     def __init__(
         self,
-        load: LoadConfig,
+        config: EngineConfig,
         checkpoint: Checkpoint,
-        dtype: torch.dtype,
+        dtype: str,
         device: torch.device,
         cpu_threads: CpuThreadPlan | None = None,
         launcher: Launcher | None = None,
     ) -> None:
         """`cpu_threads`: the engine's --cpu-threads-bind plan, shared out among the ranks;
         `self.cpu_threads` is rank 0's share, for the engine thread to bind to."""
+        load = config.load
+        self.config = config
         size = load.tensor_parallel_size
         shard_plan(checkpoint.config, size)  # ParameterError for a size the heads refuse
         self.tensor_parallel_size = size
@@ -104,31 +112,29 @@ class TensorParallelExecutor:
         self.cpu_threads = cpu_plans[0]  # rank 0's share: the engine thread binds to it
         if self.cpu_threads is not None:
             torch.set_num_threads(len(self.cpu_threads.compute_cpus))
-            platform.bind_compute_threads(self.cpu_threads)
+            bind_compute_threads(self.cpu_threads)
         self._store = dist.TCPStore(
             self.launcher.host, 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False
         )
         spec = WorkerSpec(
-            model=load.model, dtype=platform.dtype_name(dtype), device=device.type,
-            attention_backend=load.attention_backend, tensor_parallel_size=size,
-            store_host=self.launcher.host, store_port=self._store.port, seed=load.seed,
-            cpu_plans=cpu_plans,
+            config, dtype, device.type, store_host=self.launcher.host,
+            store_port=self._store.port, cpu_plans=cpu_plans,
         )  # fmt: skip
         started = time.monotonic()
         self.launcher.start(spec)
         try:
-            self.driver = Worker(spec, 0, self._store, checkpoint, self._wait_for_ranks)
+            self.driver_worker = Worker(spec, 0, checkpoint)
+            self.driver_worker.join(self._store, self._wait_for_ranks)
         except BaseException:
             self.launcher.stop()
             raise
-        self.model = self.driver.model
         logger.info(
             "tensor parallel: %d ranks (%s, %s), ready in %.1fs; rank 0 holds %d/%d query "
             "heads, %d/%d KV heads, %s of weights",
             size, self.backend_name, spec.group_backend, time.monotonic() - started,
-            len(self.driver.shard.q_heads), checkpoint.config.num_heads,
-            len(self.driver.shard.kv_heads), checkpoint.config.num_kv_heads,
-            format_bytes(self.driver.weight_bytes()),
+            len(self.driver_worker.shard.q_heads), self.driver_worker.model_config.num_heads,
+            len(self.driver_worker.shard.kv_heads), self.driver_worker.model_config.num_kv_heads,
+            format_bytes(self.driver_worker.weight_bytes()),
         )  # fmt: skip
         pids = ", ".join(f"rank {r} pid {p}" for r, p in self.launcher.worker_pids().items())
         logger.info("tensor parallel: rank 0 pid %d (this process), %s", os.getpid(), pids)
@@ -152,38 +158,27 @@ class TensorParallelExecutor:
                 )
             time.sleep(0.1)
 
-    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0) -> None:
-        """Every rank allocates `num_blocks` blocks (and its host tier's) for its own KV heads."""
-        self._call("init_kv_caches", spec, num_blocks, num_host_blocks)
-        self.kv_caches = self.driver.kv_caches
+    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+        super().initialize_kv_caches(spec, num_blocks, num_host)
         logger.info(
             "tensor parallel: KV cache per rank %s (rank 0: %d KV heads, %s bytes/token)",
-            format_bytes(self.driver.kv_cache_bytes()), spec.num_kv_heads,
+            format_bytes(self.driver_worker.kv_cache_bytes()), spec.num_kv_heads,
             f"{spec.bytes_per_token:,}",
         )  # fmt: skip
-
-    def profile_peak_activation_bytes(self, spec: KVCacheSpec, num_tokens: int) -> int:
-        return self._call("profile_peak_activation_bytes", spec, num_tokens)
 
     # ------------------------------------------------------------------ steps
     def set_failure_callback(self, callback: Callable[[ExecutorFailedError], None]) -> None:
         """`callback(error)` runs on the monitor thread when a rank dies (even when idle)."""
         self._on_failure = callback
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute", output)
-
-    def warm_up(self) -> None:
-        self._call("warm_up")
-
-    def _call(self, method: str, *args: object):  # noqa: ANN202 - the method's own result
+    def collective_rpc(self, method: str, *args: object):  # noqa: ANN201 - the method's result
         """Run `method(*args)` on every rank; rank 0's result.  ExecutorFailedError for any
         failure (see the module docstring)."""
         if self.failure is not None:
             raise self.failure
         try:
-            broadcast_object(self.driver.cpu_group, (method, args))
-            return getattr(self.driver, method)(*args)
+            broadcast_object(self.driver_worker.cpu_group, (method, args))
+            return getattr(self.driver_worker, method)(*args)
         except Exception as exc:
             raise self._failure_from(exc) from exc
 
@@ -231,7 +226,7 @@ class TensorParallelExecutor:
         self._closed = True
         if self.failure is None:
             try:
-                broadcast_object(self.driver.cpu_group, None)
+                broadcast_object(self.driver_worker.cpu_group, None)
             except Exception:  # noqa: BLE001 - a rank already gone: stop the others anyway
                 logger.warning("tensor parallel: could not tell every rank to stop")
         self.launcher.stop()

@@ -1,167 +1,217 @@
-"""One tensor-parallel rank: its shard of the model, its share of the KV cache, its runner, and
-the loop by which ranks other than 0 follow the engine's calls.
+"""The Worker: one rank's model, KV caches and runner, the same code for one rank and for N (a
+shard of one is the whole model).  An executor makes one per rank and calls each, on every
+rank in the same order (any call may run collectives):
 
-Rank 0 lives in the engine process; ranks 1..N-1 run `run_worker` in a worker process or a
-Ray actor.  Every call reaches every rank in the same order, as a pickled (method, args) that
-rank 0 broadcasts over the CPU (gloo) group; None ends the loop.
+    Worker(spec, rank)       device and dtype, the checkpoint, this rank's model, the backend
+    join(store)              N > 1 only: the process groups (executor/collective.py)
+    check_kv_cache_dtype     an 8-bit KV dtype against a canary (executor/kv_dtype_check.py)
+    plan_cuda_graphs         which decode graphs to capture (runner/cuda_graphs.py)
+    profile_*                the activation peak and the graph pool, for the KV sizing (GPU)
+    initialize_kv_caches     the device and host caches, and the runner over them
+    warm_up                  the layers' path (executor/layer_kernels.py), then the graphs
+    execute                  every step
+
+What N ranks do not run, and why, is decided in one place: executor/base.py
+NOT_WITH_TENSOR_PARALLEL.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import pickle
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from kvserve.attention import select_backend
 from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
-from kvserve.executor.base import WorkerSpec
+from kvserve.config import CacheConfig, LoadConfig, ModelConfig
+from kvserve.errors import ParameterError
+from kvserve.executor.base import WorkerSpec, bind_compute_threads, tensor_parallel_refuses
+from kvserve.executor.collective import STORE_TIMEOUT, make_process_group, receive_object
+from kvserve.executor.kv_dtype_check import Canary, check_kv_cache_dtype
+from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
-from kvserve.models.parallel import TPGroup, build_sharded_model, shard_plan
+from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, shard_plan
 from kvserve.models.registry import get_model_class
 from kvserve.runner import platform
+from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvserve")
-
-# An idle server waits for its next step inside a broadcast: the collective timeout must not
-# end it.  A rank that dies is seen at once anyway (its sockets close; the executor's monitor
-# watches the processes), so the timeout only bounds a peer that hangs without dying.
-COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
-STORE_TIMEOUT = datetime.timedelta(seconds=600)
+CPU = torch.device("cpu")
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """A CPU for every rank, or rank r's GPU (a Ray actor sees only its own GPU, as cuda:0)."""
-    if device != "cuda":
-        return torch.device("cpu")
+def resolve_placement(load: LoadConfig, config: ModelConfig) -> tuple[torch.device, str]:
+    """--device and --dtype (its name) as this machine resolves them: rank 0's, which the
+    other ranks are told, so that every rank computes in the same dtype."""
+    device = platform.resolve_device(load.device)
+    dtype = platform.resolve_dtype(load.dtype, device, config.torch_dtype)
+    return device, platform.dtype_name(dtype)
+
+
+def rank_device(device: str, rank: int, world_size: int) -> torch.device:
+    """The one rank's device as resolved; with N ranks a CPU for every rank, or rank r's GPU
+    (a Ray actor sees only its own GPU, as cuda:0)."""
+    if world_size == 1 or not device.startswith("cuda"):
+        return torch.device(device)
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
-def make_process_group(
-    store: dist.Store, prefix: str, backend: str, rank: int, world_size: int
-) -> Any:
-    """A process group of its own (not torch's global default group)."""
-    prefixed = dist.PrefixStore(prefix, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, COLLECTIVE_TIMEOUT)
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size)
-
-
-def broadcast_object(group: TPGroup, obj: object) -> None:
-    """Rank 0: send one picklable object to every other rank (size, then bytes)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    group.process_group.broadcast(torch.tensor([payload.numel()]), 0).wait()
-    group.process_group.broadcast(payload, 0).wait()
-
-
-def receive_object(group: TPGroup) -> Any:
-    """Ranks > 0: the next object rank 0 broadcasts."""
-    size = torch.zeros(1, dtype=torch.long)
-    group.process_group.broadcast(size, 0).wait()
-    payload = torch.empty(int(size), dtype=torch.uint8)
-    group.process_group.broadcast(payload, 0).wait()
-    return pickle.loads(payload.numpy().tobytes())
+def build_model(
+    checkpoint: Checkpoint, shard: RankShard, group: TPGroup, dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module:  # fmt: skip
+    """This rank's model: the whole model for a shard of one, else its slices joined to the
+    group (models/parallel.py)."""
+    model_cls = get_model_class(checkpoint.config.architecture)
+    if shard.world_size == 1:
+        return model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device)
+    return build_sharded_model(
+        model_cls, checkpoint.config, checkpoint.weights, shard, group, dtype, device
+    )
 
 
 class Worker:
-    """One rank.  Built in two steps like the engine's start-up: the model first (the engine
-    sizes the KV cache from rank 0's weights), then `init_kv_caches` with the block count
-    every rank must share."""
-
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        rank: int,
-        store: dist.Store,
-        checkpoint: Checkpoint | None = None,
-        before_join: Callable[[], None] | None = None,
-    ) -> None:
-        self.spec = spec
-        self.rank = rank
-        self.device = rank_device(spec.device, rank)
-        checkpoint = checkpoint or load_checkpoint(spec.model)
-        self.shard = shard_plan(checkpoint.config, spec.tensor_parallel_size)[rank]
-        size = spec.tensor_parallel_size
-        self.device_group = TPGroup(None, rank, size)
-        self.model = build_sharded_model(
-            get_model_class(checkpoint.config.architecture), checkpoint.config,
-            checkpoint.weights, self.shard, self.device_group, getattr(torch, spec.dtype),
-            self.device,
-        )  # fmt: skip
-        self.backend = select_backend(spec.attention_backend, self.device)
+    def __init__(self, spec: WorkerSpec, rank: int, checkpoint: Checkpoint | None = None) -> None:
+        """Loads the checkpoint unless given one (whose weights it then drops) and builds this
+        rank's model.  ParameterError for a tensor-parallel size the heads refuse."""
+        self.spec, self.rank, self.world_size = spec, rank, spec.world_size
+        load = spec.config.load
+        self.device = rank_device(spec.device, rank, self.world_size)
+        self.dtype = getattr(torch, spec.dtype)
+        checkpoint = checkpoint or load_checkpoint(load.model)
+        self.model_config, self.model_name = checkpoint.config, checkpoint.name
+        self.model_path: Path = checkpoint.path
+        self.shard = shard_plan(checkpoint.config, self.world_size)[rank]
+        self.device_group = TPGroup(None, rank, self.world_size)  # joined in `join`
+        self.cpu_group = self.device_group
+        self.model = build_model(checkpoint, self.shard, self.device_group, self.dtype,
+                                 self.device)  # fmt: skip
+        del checkpoint.weights
+        self.backend = select_backend(load.attention_backend, self.device)
+        self.graph_plan: GraphPlan | None = None
         self.kv_caches: list[LayerKVCache] = []
+        self.num_blocks = 0
         self.runner: ModelRunner | None = None
+
+    def join(self, store: dist.Store, before_join: Callable[[], None] | None = None) -> None:
+        """N > 1: say this rank is built, wait (`before_join`: rank 0 waits for every rank),
+        then create the process groups that the model's collectives and the calls use."""
+        rank, size = self.rank, self.world_size
         store.set(f"ready/{rank}", "1")
         if before_join is not None:
             before_join()
-        self.device_group.process_group = make_process_group(
-            store, "device", spec.group_backend, rank, size
-        )
-        self.cpu_group = self.device_group
-        if spec.group_backend != "gloo":
-            self.cpu_group = TPGroup(
-                make_process_group(store, "cpu", "gloo", rank, size), rank, size
-            )
+        backend = self.spec.group_backend
+        self.device_group.process_group = make_process_group(store, "device", backend, rank, size)
+        if backend != "gloo":
+            self.cpu_group = TPGroup(make_process_group(store, "cpu", "gloo", rank, size),
+                                     rank, size)  # fmt: skip
+
+    # ------------------------------------------------------------------ before the sizing
+    def check_kv_cache_dtype(
+        self, cache: CacheConfig, canary_token_ids: list[int]
+    ) -> str | ParameterError:
+        """The KV dtype the start-up check settles on (executor/kv_dtype_check.py), or its
+        refusal, returned rather than raised: every rank reaches the same verdict, and one
+        that raised would leave the ranks' loop (the executor raises rank 0's)."""
+        try:
+            return check_kv_cache_dtype(
+                cache,
+                lambda: Canary(self.model, self.model.config, canary_token_ids, self.dtype,
+                               cache.block_size, self.device),
+            )  # fmt: skip
+        except ParameterError as refusal:
+            return refusal
+
+    def plan_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        load = self.spec.config.load
+        plan = decode_graph_plan(self.device, load.enforce_eager, self.backend, max_num_seqs,
+                                 max_model_len, block_size)  # fmt: skip
+        if plan is not None and tensor_parallel_refuses("CUDA graphs", self.world_size):
+            plan = None
+        self.graph_plan = plan
 
     def local_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
         """The engine's spec (sized for the largest share) with this rank's KV heads."""
         return replace(spec, num_kv_heads=len(self.shard.kv_heads))
-
-    def init_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0) -> None:
-        """`num_blocks` device blocks (and `num_host_blocks` of the --kv-offloading-size host
-        tier) for this rank's KV heads; the block ids are every rank's."""
-        local = self.local_spec(spec)
-        self.kv_caches = allocate_kv_caches(local, num_blocks, self.device)
-        host_kv_caches = (
-            allocate_kv_caches(local, num_host_blocks, torch.device("cpu"),
-                               pin_memory=self.device.type == "cuda")
-            if num_host_blocks else None
-        )  # fmt: skip
-        self.runner = ModelRunner(
-            self.model, self.kv_caches, self.backend, spec.block_size, self.device,
-            seed=self.spec.seed, host_kv_caches=host_kv_caches,
-        )  # fmt: skip
-
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.runner is not None, "init_kv_caches first"
-        return self.runner.execute(output)
-
-    def warm_up(self) -> None:
-        assert self.runner is not None, "init_kv_caches first"
-        self.runner.warm_up()
 
     def profile_peak_activation_bytes(self, spec: KVCacheSpec, num_tokens: int) -> int:
         return profile_peak_activation_bytes(
             self.model, self.local_spec(spec), num_tokens, self.backend, self.device
         )
 
+    def profile_graph_pool_bytes(self, spec: KVCacheSpec) -> int:
+        if self.graph_plan is None:
+            return 0
+        return profile_graph_pool_bytes(
+            self.model, self.local_spec(spec), self.backend, self.device, self.graph_plan
+        )
+
     def weight_bytes(self) -> int:
+        """This rank's parameters and buffers (packed weights included)."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------------ caches and steps
+    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+        """`num_blocks` device blocks for this rank's KV heads (one more with CUDA graphs: the
+        pad rows' scratch block), `num_host` of the --kv-offloading-size host tier; the block
+        ids are every rank's."""
+        local = self.local_spec(spec)
+        num_pad_blocks = 0 if self.graph_plan is None else 1
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(local, num_blocks + num_pad_blocks, self.device)
+        host_kv_caches = (
+            allocate_kv_caches(local, num_host, CPU, pin_memory=self.device.type == "cuda")
+            if num_host else None
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, self.backend, spec.block_size, self.device,
+            seed=self.spec.config.load.seed, host_kv_caches=host_kv_caches,
+        )  # fmt: skip
 
     def kv_cache_bytes(self) -> int:
         tensors = [t for c in self.kv_caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def warm_up(self) -> None:
+        """The layers' fastest path that serves them (its warm-up writes into the first blocks:
+        before any cached block is loaded), then the decode graphs (after a compile: they
+        record the compiled kernels)."""
+        assert self.runner is not None, "initialize_kv_caches first"
+        choose_layer_kernels(self.model, self.runner.warm_up, self.spec.config.load.enforce_eager,
+                             self.world_size, self._on_every_rank)  # fmt: skip
+        if self.graph_plan is not None:
+            self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.num_blocks)
+
+    def _on_every_rank(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (a collective: every rank asks at once)."""
+        if self.world_size == 1:
+            return ok
+        num_failed = self.cpu_group.all_reduce(torch.tensor([0 if ok else 1]))
+        return int(num_failed) == 0
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "initialize_kv_caches first"
+        return self.runner.execute(output)
+
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
-    """A rank > 0 from start to end: join, then follow rank 0's calls until it sends None."""
+    """A rank > 0 from start to end: build, join, then follow rank 0's calls until None."""
     cpu_plan = spec.cpu_plans[rank]
     if cpu_plan is not None:  # this process's main thread runs the steps: its team
         torch.set_num_threads(len(cpu_plan.compute_cpus))
-        platform.bind_compute_threads(cpu_plan)
+        bind_compute_threads(cpu_plan)
     store = dist.TCPStore(
-        spec.store_host, spec.store_port, spec.tensor_parallel_size, False, timeout=STORE_TIMEOUT
+        spec.store_host, spec.store_port, spec.world_size, False, timeout=STORE_TIMEOUT
     )
-    worker = Worker(spec, rank, store)
+    worker = Worker(spec, rank)
+    worker.join(store)
     with torch.inference_mode():
         while True:
             message = receive_object(worker.cpu_group)

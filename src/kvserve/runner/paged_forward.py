@@ -1,7 +1,7 @@
 """Drive a loaded model through a paged KV cache of any dtype, without the scheduler.
 
 Used where the same weights must be run through caches of several KV dtypes: the engine's
-start-up check of an 8-bit KV cache (engine/kv_dtype_check.py) and the evaluation of KV dtypes
+start-up check of an 8-bit KV cache (executor/kv_dtype_check.py) and the evaluation of KV dtypes
 (kvserve eval-kv).  The model is called the way the model runner calls it
 (build_batch_input -> build_attention_metadata -> model.forward), so attention reads the cache
 exactly as serving does: quantized on write, dequantized on gather.

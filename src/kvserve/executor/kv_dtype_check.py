@@ -12,7 +12,8 @@ cache of the model's own dtype (`auto`).  One line is logged:
 Below --kv-cache-dtype-check-min-agreement the other 8-bit dtypes are tried, and the engine
 refuses to start naming the best one that passes (`auto` when none does), or, with
 --kv-cache-dtype-check fallback, logs that and uses it.  The default minimum is measured on the
-embedded model (docs/prefix_cache.md).
+embedded model (docs/prefix_cache.md).  It runs in the Worker (executor/worker.py), on every
+tensor-parallel rank at once: the canary is a forward pass like any other, collectives included.
 """
 
 from __future__ import annotations
@@ -71,21 +72,35 @@ class CanaryResult:
         )
 
 
+def canary_token_ids(tokenizer: object) -> list[int]:
+    """CANARY_TEXT's tokens (the engine's tokenizer; every rank gets the same ids)."""
+    return tokenizer.encode(CANARY_TEXT, add_special_tokens=False)
+
+
+def wants_check(cache: CacheConfig) -> bool:
+    """Whether `check_kv_cache_dtype` runs a canary for this config (an 8-bit KV dtype with
+    the check on)."""
+    asked = resolve_kv_dtype(cache.kv_cache_dtype, "")
+    return cache.kv_cache_dtype_check != "off" and asked in QUANTIZED_DTYPES
+
+
 class Canary:
     """The canary's reference logits, computed once, and the comparison of any KV dtype
-    (each computed once)."""
+    (each computed once).  `config` is the model's own shape: a tensor-parallel rank's
+    (its KV heads) for a shard, whose logits are all-gathered, so every rank compares the
+    same numbers and reaches the same verdict."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         config: ModelConfig,
-        tokenizer: object,
+        token_ids: list[int],
         model_dtype: torch.dtype,
         block_size: int,
         device: torch.device,
     ) -> None:
         self.model, self.config = model, config
-        self.token_ids = tokenizer.encode(CANARY_TEXT, add_special_tokens=False)
+        self.token_ids = token_ids
         self.model_dtype = platform.dtype_name(model_dtype)
         self.block_size, self.device = block_size, device
         self.reference = self._logits("auto")[CANARY_CHUNK:]
@@ -120,7 +135,7 @@ def check_kv_cache_dtype(cache: CacheConfig, make_canary: Callable[[], Canary]) 
     ParameterError naming --kv-cache-dtype when it fails and the mode is `refuse`.
     `make_canary` is called only when an 8-bit dtype is to be checked."""
     asked = cache.kv_cache_dtype
-    if cache.kv_cache_dtype_check == "off" or resolve_kv_dtype(asked, "") not in QUANTIZED_DTYPES:
+    if not wants_check(cache):
         return asked
     canary = make_canary()
     minimum = cache.kv_cache_dtype_check_min_agreement
