@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention.cpu_kernels import paged_decode_available
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv import quant
+from kvserve.native import ops
 
-pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler here")
 
 
 def rows(dtype: torch.dtype, strided: bool, gen: torch.Generator) -> torch.Tensor:

@@ -44,8 +44,8 @@ from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.engine.watchdog import EngineStalledError, StallWatchdog
 from kvserve.errors import QueueFullError, RequestFailedError
+from kvserve.native import platform
 from kvserve.request import RequestOutputKind, SamplingParams
-from kvserve.runner import platform
 from kvserve.step import RequestOutput, SchedulerStats, merge_deltas
 
 logger = logging.getLogger("kvserve")

@@ -49,8 +49,8 @@ from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.registry import get_model_class
+from kvserve.native import platform
 from kvserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
-from kvserve.runner import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import (
@@ -133,7 +133,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         started = time.monotonic()
         self.config = config
-        # How torch's CPU threads are placed (runner/platform.py); the thread that steps the
+        # How torch's CPU threads are placed (native/platform.py); the thread that steps the
         # engine, if not this one, pins its own team with platform.bind_compute_threads.
         self.cpu_threads = platform.set_cpu_threads(config.load.cpu_threads_bind)
         checkpoint = checkpoint or load_checkpoint(config.load.model)

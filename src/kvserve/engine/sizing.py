@@ -14,7 +14,7 @@ import torch
 from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, format_bytes
 from kvserve.errors import ParameterError, UserInputError
 from kvserve.kv.spec import KVCacheSpec, cdiv
-from kvserve.runner import platform
+from kvserve.native import platform
 
 
 class CapacityError(UserInputError):

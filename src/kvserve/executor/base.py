@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.runner.platform import CpuThreadPlan
+from kvserve.native.platform import CpuThreadPlan
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 

@@ -26,8 +26,8 @@ from kvserve.executor.worker import STORE_TIMEOUT, Worker, broadcast_object
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
 from kvserve.models.parallel import shard_plan
-from kvserve.runner import platform
-from kvserve.runner.platform import CpuThreadPlan
+from kvserve.native import platform
+from kvserve.native.platform import CpuThreadPlan
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvserve")
