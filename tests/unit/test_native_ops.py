@@ -14,8 +14,9 @@ import torch
 
 import kvserve
 from kvserve.native import build, ops
+from kvserve.native.build import KernelBuildError
 from kvserve.native.kinds import Kind, fp8_lookup_table, kind_of
-from kvserve.native.structs import STRUCT_SIZES
+from kvserve.native.structs import STRUCTURES, DecodeStepArgs, layout
 
 REPO = Path(__file__).parents[2]
 OPS = Path(kvserve.__file__).parent / "native" / "ops.py"
@@ -90,11 +91,28 @@ needs_library = pytest.mark.skipif(not ops.available(), reason="no C compiler he
 
 
 @needs_library
-def test_the_library_s_structures_match_ops_py_s():
+def test_the_library_s_structures_are_laid_out_as_structs_py_s():
+    """What Kernels() checks at load, and that the check reads every field."""
     lib = ops.kernels().lib
-    assert [lib.native_struct_size(i) for i in range(len(STRUCT_SIZES))] == [
-        ctypes.sizeof(s) for s in STRUCT_SIZES
-    ]
+    for which, structure in enumerate(STRUCTURES):
+        size, fields = ops._library_layout(lib, which)
+        assert (size, fields) == layout(structure)
+        assert [name for name, _ in fields] == [name for name, _ in structure._fields_]
+    assert lib.native_struct_size(len(STRUCTURES)) == -1
+
+
+def test_a_library_laid_out_otherwise_is_refused(monkeypatch):
+    """A field that one side lacks (here: ctypes' mirror of the decode step's arguments) is
+    an error at load, not a call that reads the wrong bytes."""
+    if not ops.available():
+        pytest.skip("no C compiler here")
+
+    class Shorter(ctypes.Structure):
+        _fields_ = DecodeStepArgs._fields_[:-1]
+
+    monkeypatch.setattr(ops, "STRUCTURES", (*STRUCTURES[:3], Shorter))
+    with pytest.raises(KernelBuildError, match="Shorter"):
+        ops.Kernels(ops.kernels().lib)
 
 
 class _Cache:

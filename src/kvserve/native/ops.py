@@ -35,11 +35,12 @@ from kvserve.native.kinds import (
     kind_of,
 )
 from kvserve.native.structs import (
-    STRUCT_SIZES,
+    STRUCTURES,
     DecodeLayer,
     DecodeStepArgs,
     PagedDecodeArgs,
     PrefillArgs,
+    layout,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ DECLARATIONS: dict[str, tuple[type, list[type]]] = {
     # runtime/
     "bind_omp_threads": (_I32, [_P, _I32]),
     "native_struct_size": (_I64, [_I32]),
+    "native_struct_field": (ctypes.c_char_p, [_I32, _I32, ctypes.POINTER(_I64)]),
 }  # fmt: skip
 
 _F32_BF16 = (torch.float32, torch.bfloat16)
@@ -119,17 +121,19 @@ class Kernels:
     answer for themselves: `has_decode_layers`, `set_linear_stealing`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        """Declare `lib`'s functions; KernelBuildError where its structures' sizes differ
-        from structs.py's (a field added on one side only)."""
+        """Declare `lib`'s functions; KernelBuildError where its argument structures are laid
+        out otherwise than structs.py's (a field added, dropped, retyped or moved on one side
+        only): checked here, as no call could tell."""
         for name, (result, arguments) in DECLARATIONS.items():
             function = getattr(lib, name, None)
             if function is not None:
                 function.restype, function.argtypes = result, arguments
-        sizes = [lib.native_struct_size(i) for i in range(len(STRUCT_SIZES))]
-        expected = [ctypes.sizeof(s) for s in STRUCT_SIZES]
-        if sizes != expected:
-            raise KernelBuildError(f"the library's argument structures have {sizes} bytes, "
-                                   f"native/structs.py's {expected}")  # fmt: skip
+        for which, structure in enumerate(STRUCTURES):
+            if _library_layout(lib, which) != layout(structure):
+                raise KernelBuildError(
+                    f"the library's {structure.__name__} is laid out as "
+                    f"{_library_layout(lib, which)}, native/structs.py's as {layout(structure)}"
+                )
         self.lib = lib
 
     # --- attention/ ------------------------------------------------------------------------
@@ -625,6 +629,14 @@ class Kernels:
         (a team of another size, or a CPU refused)."""
         array = (ctypes.c_int * len(cpus))(*cpus)
         return not self.lib.bind_omp_threads(array, len(cpus))
+
+
+def _library_layout(lib: ctypes.CDLL, which: int) -> tuple[int, list[tuple[str, int]]]:
+    """(size, [(field, offset), ...]) of the library's structure `which` (runtime/abi.c)."""
+    fields, offset = [], ctypes.c_int64()
+    while (name := lib.native_struct_field(which, len(fields), ctypes.byref(offset))) is not None:
+        fields.append((name.decode(), offset.value))
+    return lib.native_struct_size(which), fields
 
 
 def _set_new_rows(args: PagedDecodeArgs, rows: NewRows, key_cache: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """The native library's argument structures, mirrored field for field from
-csrc/attention/attention.h and csrc/layer/layer.h (same order, same C types).  The library
-reports the C sizes (csrc/runtime/abi.c) and ops.Kernels refuses a build whose sizes differ.
+csrc/attention/attention.h and csrc/layer/layer.h (same names, order and C types).  The library
+reports its layouts (csrc/runtime/abi.c: sizes, each field's name and offset) and ops.Kernels
+refuses a build whose layouts differ from these (`layout`).
 """
 
 from __future__ import annotations
@@ -126,5 +127,11 @@ class DecodeStepArgs(ctypes.Structure):
     ]
 
 
-# In runtime/abi.c's order: native_struct_size(i) is the C size of STRUCT_SIZES[i].
-STRUCT_SIZES = (PagedDecodeArgs, PrefillArgs, DecodeLayer, DecodeStepArgs)
+# In runtime/abi.c's order: structure i there is STRUCTURES[i] here.
+STRUCTURES = (PagedDecodeArgs, PrefillArgs, DecodeLayer, DecodeStepArgs)
+
+
+def layout(structure: type[ctypes.Structure]) -> tuple[int, list[tuple[str, int]]]:
+    """(size, [(field, offset), ...]) as ctypes lays the structure out: the C ABI's layout."""
+    fields = [(name, getattr(structure, name).offset) for name, _ in structure._fields_]
+    return ctypes.sizeof(structure), fields
