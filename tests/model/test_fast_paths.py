@@ -156,7 +156,7 @@ def test_the_lm_head_takes_the_kernel_up_to_its_row_limit(tiny_dir):
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
 def test_every_row_count_through_the_linear_kernel_gives_onednn_values():
     """At every row count, a bf16 PackedLinear runs the library's projection kernel over
-    oneDNN's packed weight (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it,
+    oneDNN's packed weight (csrc/linear/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it,
     over their two layouts): the same values as oneDNN's own call (but for rare last-bit
     roundings of a different summation order), with and without bias, columns not a multiple
     of 32, and past 256 rows, where the kernel runs in chunks of rows (528: two whole chunks

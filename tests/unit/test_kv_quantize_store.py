@@ -1,4 +1,4 @@
-"""The one-pass C quantize-and-store (attention/csrc/kv_quantize.c) against kv/quant.py: the
+"""The one-pass C quantize-and-store (native/csrc/attention/kv_quantize.c) against kv/quant.py: the
 same codes and scales, bit for bit, for every 8-bit dtype, from float32 and bfloat16 rows, in
 contiguous and strided (a column slice of a fused QKV output) layouts, with tiny values
 (fp8 subnormals), zeros, values past the formats' ranges and ties."""
@@ -76,7 +76,7 @@ def test_every_fp8_value_is_stored_as_torch_stores_it(kv_dtype):
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("num_tokens", [37, 1200])  # 1,200: the multi-threaded copy
 def test_a_cache_of_the_rows_dtype_stores_them_as_they_are(dtype, strided, num_tokens):
-    """The C copy store (csrc/kv_quantize.c kv_copy_store), which replaced index_copy_ for
+    """The C copy store (csrc/attention/kv_quantize.c kv_copy_store), which replaced index_copy_ for
     unquantized caches: every row lands in its slot unchanged, nothing else is written."""
     from kvserve.attention.kv_cache import _store_rows_in_c
 

@@ -44,8 +44,7 @@ def _store_quantized_in_c(
     if kernels is None:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
-    flat_scales = None if scales is None else scales.view(-1, flat.shape[1])
-    kernels.kv_quantize_store(x, flat, flat_scales, slots, kind_of(flat.dtype, layer.kv_dtype))
+    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, layer.kv_dtype))
     return True
 
 

@@ -23,13 +23,13 @@ from kvserve.native import ops
 logger = logging.getLogger("kvserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
-# Every row count of a bfloat16 projection goes through csrc/linear_amx.c over oneDNN's packed
-# weight.  At a decode step's rows it streams the weight faster than oneDNN does (W1's 128-row
-# decode step 105 -> 101 ms, docs/benchmarks.md, tenth round); at a prefill step's it runs in
-# chunks of 256 rows (see there) and fuses SiLU x up into the gate_up projection: a layer's
-# qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02 / 14.3
-# ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 / 6.95 /
-# 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (fourteenth round).
+# Every row count of a bfloat16 projection goes through the native linear_amx.c over oneDNN's
+# packed weight.  At a decode step's rows it streams the weight faster than oneDNN does (W1's
+# 128-row decode step 105 -> 101 ms, docs/benchmarks.md, tenth round); at a prefill step's it
+# runs in chunks of 256 rows (see there) and fuses SiLU x up into the gate_up projection: a
+# layer's qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02
+# / 14.3 ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 /
+# 6.95 / 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (fourteenth round).
 KERNEL_ALL_ROWS = sys.maxsize
 # The LM head (49,152 x 576 for the embedded model) is the exception on AMX: oneDNN streams it
 # faster past 32 rows (one process, alternating: 64 rows 2.56 against 2.14 ms, 128 rows 5.57
@@ -169,7 +169,7 @@ def logits_kernel_max_rows() -> int:
 
 def kernel_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
     """Up to how many rows this packed weight goes through the library's projection kernel
-    (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it): KERNEL_ALL_ROWS where
+    (csrc/linear/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it): KERNEL_ALL_ROWS where
     the kernel runs and reads oneDNN's layout of this weight correctly (checked on 16 random
     rows against oneDNN itself: another oneDNN version or CPU may pack differently), else 0."""
     if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not ops.available():

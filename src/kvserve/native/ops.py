@@ -99,12 +99,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _is(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """`t` is a contiguous tensor of `dtype` and `shape`."""
-    return t is not None and t.dtype == dtype and t.shape == shape and t.is_contiguous()
+    return t is not None and t.dtype is dtype and t.shape == shape and t.is_contiguous()
 
 
 def _rows(t: torch.Tensor) -> bool:
     """[T, heads, dim] with each token's heads x dim values contiguous."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    strides = t.stride()
+    return len(strides) == 3 and strides[2] == 1 and strides[1] == t.shape[2]
+
+
+def _scales(key: torch.Tensor | None, value: torch.Tensor | None, shape: torch.Size) -> bool:
+    """Both 8-bit scales float32 [blocks, block_size, Hkv] of a cache of `shape`, contiguous."""
+    return (
+        key is not None and value is not None and key.dtype is value.dtype is _F32
+        and key.shape == value.shape == shape[:3] and key.is_contiguous() and value.is_contiguous()
+    )  # fmt: skip
 
 
 def _refuse(entry: str, expected: str, **tensors: torch.Tensor | None) -> NoReturn:
@@ -155,21 +164,24 @@ class Kernels:
         is then not written).  MemoryError when the kernel has no memory for its buffers."""
         key, value = cache.key, cache.value
         key_scale, value_scale = cache.key_scale, cache.value_scale
-        if query.dim() != 3 or key.dim() != 4:
+        q_shape, k_shape = query.shape, key.shape
+        if len(q_shape) != 3 or len(k_shape) != 4:
             _refuse("paged_decode_attention", "query [B, H, D], caches [blocks, block_size, "
                     "Hkv, D]", query=query, key=key)  # fmt: skip
-        (num_seqs, num_heads, dim), num_kv_heads = query.shape, key.shape[2]
+        (num_seqs, num_heads, dim), num_kv_heads = q_shape, k_shape[2]
         kind = kind_of(key.dtype, cache.kv_dtype)
+        # Written out (dtypes are singletons: `is`), as this runs once a layer and step.
         if not (
-            query.dtype in _F32_BF16 and query.is_contiguous()
-            and _is(out, query.dtype, query.shape)
-            and key.shape[3] == dim and num_heads % num_kv_heads == 0
-            and _is(value, key.dtype, key.shape) and key.is_contiguous()
-            and (key_scale is None or _is(key_scale, _F32, key.shape[:3]))
-            and (value_scale is None or _is(value_scale, _F32, key.shape[:3]))
-            and block_tables.dim() == 2
-            and _is(block_tables, _INT64, (num_seqs, block_tables.shape[1]))
-            and _is(seq_lens, _INT64, (num_seqs,))
+            (query.dtype is _F32 or query.dtype is _BF16) and out.dtype is query.dtype
+            and out.shape == q_shape and query.is_contiguous() and out.is_contiguous()
+            and k_shape[3] == dim and num_heads % num_kv_heads == 0
+            and value.dtype is key.dtype and value.shape == k_shape
+            and key.is_contiguous() and value.is_contiguous()
+            and (key_scale is value_scale is None or _scales(key_scale, value_scale, k_shape))
+            and block_tables.dtype is _INT64 and block_tables.dim() == 2
+            and block_tables.shape[0] == num_seqs and block_tables.is_contiguous()
+            and seq_lens.dtype is _INT64 and seq_lens.shape == (num_seqs,)
+            and seq_lens.is_contiguous()
             and (lse is None or _is(lse, _F32, (num_seqs, num_heads)))
         ):  # fmt: skip
             _refuse("paged_decode_attention", "contiguous query and out [B, H, D], float32 or "
@@ -263,22 +275,26 @@ class Kernels:
         self,
         rows: torch.Tensor,  # [T, Hkv, D] float32 or bfloat16, each row contiguous
         cache: torch.Tensor,  # [slots, Hkv, D] 8-bit codes of `kind`, contiguous
-        scales: torch.Tensor | None,  # [slots, Hkv] float32 for int8 and e4m3, else None
+        scales: torch.Tensor | None,  # slots x Hkv float32 (int8, e4m3; any shape), else None
         slots: torch.Tensor,  # [T] int64
         kind: Kind,
     ) -> None:
         """csrc/attention/kv_quantize.c: quantize and store in one pass (kv/quant.py's codes
         bit for bit)."""
+        r_shape, c_shape = rows.shape, cache.shape
         if not (
-            rows.dtype in _F32_BF16 and _rows(rows) and kind in (Kind.I8, Kind.E4M3, Kind.E5M2)
-            and cache.dim() == 3 and _is(cache, STORAGE_DTYPE[kind], cache.shape)
-            and cache.shape[1:] == rows.shape[1:]
-            and (_is(scales, _F32, cache.shape[:2]) if kind != Kind.E5M2 else scales is None)
-            and _is(slots, _INT64, rows.shape[:1])
+            (rows.dtype is _F32 or rows.dtype is _BF16) and _rows(rows)
+            and kind in (Kind.I8, Kind.E4M3, Kind.E5M2) and cache.dtype is STORAGE_DTYPE[kind]
+            and len(c_shape) == 3 and c_shape[1] == r_shape[1] and c_shape[2] == r_shape[2]
+            and cache.is_contiguous()
+            and (scales is None if kind == Kind.E5M2 else scales is not None
+                 and scales.dtype is _F32 and scales.is_contiguous()
+                 and scales.numel() == c_shape[0] * c_shape[1])
+            and slots.dtype is _INT64 and slots.shape == r_shape[:1] and slots.is_contiguous()
         ):  # fmt: skip
             _refuse("kv_quantize_store", f"float32 or bfloat16 rows [T, Hkv, D] into a "
-                    f"contiguous {kind.name} cache [slots, Hkv, D] (float32 scales [slots, "
-                    "Hkv] for I8 and E4M3), int64 slots [T]", rows=rows, cache=cache,
+                    f"contiguous {kind.name} cache [slots, Hkv, D] (contiguous float32 scales, "
+                    "slots x Hkv, for I8 and E4M3), int64 slots [T]", rows=rows, cache=cache,
                     scales=scales, slots=slots)  # fmt: skip
         num_tokens, heads, dim = rows.shape
         self.lib.kv_quantize_store(
@@ -289,13 +305,12 @@ class Kernels:
     def kv_copy_store(self, rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """rows [T, Hkv, D] (each contiguous) into a contiguous cache [slots, Hkv, D] of their
         dtype at slots [T] (int64), one copy a row (csrc/attention/kv_quantize.c)."""
+        r_shape, c_shape = rows.shape, cache.shape
         if not (
-            _rows(rows)
-            and cache.dim() == 3
-            and _is(cache, rows.dtype, cache.shape)
-            and cache.shape[1:] == rows.shape[1:]
-            and _is(slots, _INT64, rows.shape[:1])
-        ):
+            _rows(rows) and cache.dtype is rows.dtype and len(c_shape) == 3
+            and c_shape[1] == r_shape[1] and c_shape[2] == r_shape[2] and cache.is_contiguous()
+            and slots.dtype is _INT64 and slots.shape == r_shape[:1] and slots.is_contiguous()
+        ):  # fmt: skip
             _refuse("kv_copy_store", "rows [T, Hkv, D] into a contiguous cache of their dtype, "
                     "int64 slots [T]", rows=rows, cache=cache, slots=slots)  # fmt: skip
         size = rows.element_size()
@@ -548,11 +563,9 @@ class Kernels:
         """out[r] = index of row r's maximum (torch's on ties and NaNs): x [rows, cols]
         float32 or bfloat16, each row contiguous; out [rows] int64 (csrc/sampling/)."""
         if not (
-            x.dim() == 2
-            and x.dtype in _F32_BF16
-            and x.stride(1) == 1
+            x.dim() == 2 and (x.dtype is _F32 or x.dtype is _BF16) and x.stride(1) == 1
             and _is(out, _INT64, x.shape[:1])
-        ):
+        ):  # fmt: skip
             _refuse("argmax_rows", "float32 or bfloat16 x [rows, cols], rows contiguous; int64 "
                     "out [rows]", x=x, out=out)  # fmt: skip
         rows, cols = x.shape

@@ -103,7 +103,7 @@ def sample(
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum (the first on a tie, the first NaN if any, as torch).  On a
-    CPU through csrc/argmax_rows.c (float32 or bfloat16 rows, ~10x faster than torch at
+    CPU through csrc/sampling/argmax_rows.c (float32 or bfloat16 rows, ~10x faster than torch at
     [128, 49,152]); elsewhere `max(dim).indices`, the same result 3-4x faster than `argmax`
     on a CPU, where argmax is not vectorized."""
     if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.numel():
@@ -160,7 +160,7 @@ def _floored(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 def _top_k_floor(probs: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k-th largest probability (a floor: ties with it are kept) and the mass at or
     above it; 0 and 1 for rows whose top_k is the vocabulary size.  On a CPU by selection in C
-    (csrc/sample_rows.c; `topk` and a masking of the logits took ~10 ms at [128, 49,152]);
+    (csrc/sampling/sample_rows.c; `topk` and a masking of the logits took ~10 ms at [128, 49,152]);
     elsewhere `topk` to the largest k asked for, not a sort."""
     kernel = _sample_kernels().top_k if probs.device.type == "cpu" else None
     if kernel is not None:
@@ -189,9 +189,9 @@ def _top_p_floor(
 ) -> torch.Tensor:
     """Each row's nucleus threshold: the probability of the least likely token of the
     smallest set of most likely tokens whose mass reaches top_p (0 where top_p >= 1).  On a
-    CPU by selection in C (csrc/sample_rows.c, no sort), among the probabilities at or above
-    `within` (the top-k floor, which holds the nucleus) where given; elsewhere by `topk` over
-    widening candidates."""
+    CPU by selection in C (csrc/sampling/sample_rows.c, no sort), among the probabilities at
+    or above `within` (the top-k floor, which holds the nucleus) where given; elsewhere by
+    `topk` over widening candidates."""
     kernel = _sample_kernels().top_p if probs.device.type == "cpu" else None
     if kernel is not None:
         probs = probs.contiguous()
@@ -261,7 +261,7 @@ def _uniforms(
 
 def _draw(probs: torch.Tensor, floor: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
     """Each row's token at its uniform draw (`_inverse_cdf`), probabilities below the row's
-    floor counting as 0: on a CPU one pass over the row in C (csrc/sample_rows.c)."""
+    floor counting as 0: on a CPU one pass over the row in C (csrc/sampling/sample_rows.c)."""
     kernel = _sample_kernels().draw if probs.device.type == "cpu" else None
     if kernel is not None and probs.dtype == torch.float32:
         probs = probs.contiguous()
