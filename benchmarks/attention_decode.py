@@ -26,6 +26,7 @@ from kvserve.attention import quant, select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.kv.spec import kv_cache_spec
+from kvserve.native import ops
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -114,8 +115,6 @@ def main() -> None:
 
 def amx_ab(args: argparse.Namespace) -> None:
     """The bf16 cache's decode with the AMX scores off and on, alternating, --repeats rounds."""
-    from kvserve.attention.cpu_kernels import use_amx_decode
-
     paged = select_backend("cpu-paged", torch.device("cpu"))
     layers, md = make_layers("bfloat16", args), scattered_metadata(args)
     query = torch.randn(args.batch, args.heads, args.head_dim).bfloat16().float()
@@ -128,10 +127,10 @@ def amx_ab(args: argparse.Namespace) -> None:
     try:
         for _ in range(args.repeats):
             for amx in (False, True):
-                use_amx_decode(amx)
+                ops.kernels().use_amx_decode(amx)
                 times[amx].append(seconds_per_call(decode, layers, 1))
     finally:
-        use_amx_decode(True)
+        ops.kernels().use_amx_decode(True)
     for amx, label in ((False, "vdpbf16ps scores"), (True, "AMX scores")):
         print(f"{label}: " + ", ".join(f"{t * 1e3:.3f}" for t in times[amx]) + " ms a layer")
 

@@ -1,14 +1,16 @@
 """The C kernels of two revisions side by side in one process: the working tree's
-`src/kvserve/attention/csrc` against the same files at a git revision (--base), each built
-into a library of its own, timed alternately (the machine's speed drifts by more than most
-kernel changes are worth, so only an alternating comparison in one process can show them).
+`src/kvserve/native/csrc` against the same directory at a git revision (--base, one with this
+layout and the same argument structures), each built into a library of its own and called
+through native/ops.py's wrappers, timed alternately (the machine's speed drifts by more than
+most kernel changes are worth, so only an alternating comparison in one process can show
+them).
 
     .venv/bin/python benchmarks/kernel_ab.py projections --rows 128   # a decode step's 120
     .venv/bin/python benchmarks/kernel_ab.py decode --batch 64 --context 48 --base HEAD~1
     .venv/bin/python benchmarks/kernel_ab.py prefill --queries 1024 --keys 1024
 
-projections: the projection kernel (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16
-without it) over the embedded model's four projection shapes, 30 layers of
+projections: the projection kernel (csrc/linear/linear_amx.c on AMX, linear_dot.c on
+AVX512-BF16 without it) over the embedded model's four projection shapes, 30 layers of
 random weights, --rows rows.  decode: the paged decode kernel at --batch x --context tokens,
 sequences on consecutive blocks, cycling 30 layer caches (so that a layer's K/V has left the
 caches when it is read again).  prefill: the bf16 prefill kernel, --queries over --keys keys
@@ -29,68 +31,64 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import bf16_prefill, cpu_kernels
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.packed_linear import PackedLinear
+from kvserve.native import build, ops
 
-CSRC = Path(cpu_kernels.__file__).parent / "csrc"
-REPO = CSRC.parents[3]
+REPO = build.CSRC.parents[3]
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 LAYERS = 30
 
 
-def build(source_dir: Path, output: Path) -> ctypes.CDLL:
-    """The kernel library from the sources in source_dir, with the engine's own flags."""
-    sources = [
-        str(source_dir / p.name) for p in cpu_kernels._SOURCES if (source_dir / p.name).exists()
-    ]
+def build_library(root: Path, output: Path) -> ops.Kernels:
+    """The library from the sources under root (a csrc directory), with the engine's own
+    flags, its entry points declared by ops.py."""
+    sources = sorted(root.glob("*/*.c"))
     compiler = shutil.which("gcc") or "cc"
-    command = [compiler, *cpu_kernels._FLAGS, f"-I{source_dir}", *sources, "-o", str(output)]
-    result = subprocess.run([*command, "-lm"], capture_output=True, text=True)
+    command = build.compile_command(compiler, root, sources, output)
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr}")
-    return cpu_kernels._open(output)
+    return ops.Kernels(ctypes.CDLL(str(output)))
 
 
-def base_library(revision: str, workdir: Path) -> ctypes.CDLL:
-    """The kernel library as `revision` had it (every file of csrc at that revision; files
-    added since, such as a new kernel or header, are left out of its build)."""
+def base_library(revision: str, workdir: Path) -> ops.Kernels:
+    """The library as `revision` had it (every file of its csrc directory)."""
     source_dir = workdir / "base"
-    source_dir.mkdir()
-    for path in [*cpu_kernels._SOURCES, *cpu_kernels._HEADERS]:
-        relative = path.relative_to(REPO).as_posix()
+    csrc = build.CSRC.relative_to(REPO).as_posix()
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", revision,
+                             csrc], capture_output=True, text=True, check=True)  # fmt: skip
+    if not listed.stdout.strip():
+        raise SystemExit(f"{revision} has no {csrc}: --base must be a revision of this layout")
+    for relative in listed.stdout.split():
         shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
-                               capture_output=True)  # fmt: skip
-        if shown.returncode == 0:
-            (source_dir / path.name).write_bytes(shown.stdout)
-    return build(source_dir, workdir / "base.so")
+                               capture_output=True, check=True)  # fmt: skip
+        target = source_dir / Path(relative).relative_to(csrc)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(shown.stdout)
+    return build_library(source_dir, workdir / "base.so")
 
 
-def projections(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
-    fn = lib.linear_bf16_packed
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+def projections(kernels: ops.Kernels, args: argparse.Namespace) -> Callable[[], None]:
     weights = [PackedLinear((torch.randn(n, k) * 0.05).to(torch.bfloat16), None)
                for _ in range(LAYERS) for n, k in SHAPES]  # fmt: skip
     inputs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k in SHAPES}
     outputs = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _ in SHAPES}
-    calls = [(inputs[w.in_features], torch.ops.mkldnn.data_ptr(w.packed_weight),
-              outputs[w.out_features], w.out_features, w.in_features) for w in weights]  # fmt: skip
-    threads = torch.get_num_threads()
+    calls = [(inputs[w.in_features], w.packed_weight, outputs[w.out_features]) for w in weights]
 
-    def run(keep_alive: list[PackedLinear] = weights) -> None:  # calls point into them
-        for x, weight, out, n, k in calls:
-            fn(x.data_ptr(), x.stride(0), weight, None, out.data_ptr(), n, args.rows, n, k, threads)
+    def run() -> None:
+        for x, weight, out in calls:
+            kernels.linear_packed(x, weight, None, out)
 
     return run
 
 
-def decode(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
+def decode(kernels: ops.Kernels, args: argparse.Namespace) -> Callable[[], None]:
     backend = CpuPagedBackend()
-    backend._kernel = lib.paged_decode_attention
+    backend._kernels = kernels
     per_seq = -(-args.context // 16)
     spec = kv_cache_spec(LAYERS, 3, 64, "auto", "bfloat16", 16)
     caches = allocate_kv_caches(spec, args.batch * per_seq, torch.device("cpu"))
@@ -108,16 +106,16 @@ def decode(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
     return run
 
 
-def prefill(lib: ctypes.CDLL, args: argparse.Namespace) -> Callable[[], None]:
-    fn = lib.prefill_attention_bf16
-    fn.argtypes = bf16_prefill._kernel().argtypes
+def prefill(kernels: ops.Kernels, args: argparse.Namespace) -> Callable[[], None]:
     query = torch.randn(1, args.queries, 9, 64).to(torch.bfloat16)
     keys, values = (torch.randn(1, args.keys, 3, 64).to(torch.bfloat16) for _ in range(2))
 
     def run() -> None:
-        bf16_prefill._kernel = lambda: fn  # the module looks its kernel up on every call
-        for _ in range(10):
-            bf16_prefill.attend_batch(query, keys, values, args.causal, 0.125, True)
+        for _ in range(10):  # as bf16_prefill.attend_batch(..., with_lse=True) calls it
+            out = torch.empty(query.shape, dtype=torch.float32)
+            lse = torch.empty(query.shape[:3], dtype=torch.float32)
+            kernels.prefill_attention(query, keys, values, args.keys, args.causal, 0.125, out,
+                                      lse)  # fmt: skip
 
     return run
 
@@ -138,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         libraries = {args.base: base_library(args.base, workdir),
-                     "working tree": build(CSRC, workdir / "tree.so")}  # fmt: skip
+                     "working tree": build_library(build.CSRC, workdir / "tree.so")}  # fmt: skip
         runs = {name: setup(lib, args) for name, lib in libraries.items()}
         times: dict[str, list[float]] = {name: [] for name in runs}
         for run in runs.values():

@@ -37,7 +37,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
-from kvserve.runner import platform
+from kvserve.native import platform
 from kvserve.step import CompletionOutput, TokenLogprobs
 
 SHARP = 0.1  # initializer_range of the tiny models here

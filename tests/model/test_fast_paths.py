@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,7 +157,7 @@ def test_the_lm_head_takes_the_kernel_up_to_its_row_limit(tiny_dir):
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason=NO_BF16_PACKING)
 def test_every_row_count_through_the_linear_kernel_gives_onednn_values():
     """At every row count, a bf16 PackedLinear runs the library's projection kernel over
-    oneDNN's packed weight (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it,
+    oneDNN's packed weight (csrc/linear/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it,
     over their two layouts): the same values as oneDNN's own call (but for rare last-bit
     roundings of a different summation order), with and without bias, columns not a multiple
     of 32, and past 256 rows, where the kernel runs in chunks of rows (528: two whole chunks
@@ -199,27 +197,22 @@ def test_threads_that_take_each_others_column_blocks_compute_the_same_bits():
     threads of 3 blocks each on the machine's few cores (the late ones find their runs'
     tails taken), the projection and the fused SiLU x gate equal the static halves' output
     bit for bit, and the projection equals oneDNN's values."""
-    from kvserve.attention.cpu_kernels import kernel_function
     from kvserve.models.packed_linear import _kernel_linear
+    from kvserve.native import ops
 
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    set_stealing = kernel_function("linear_amx_set_stealing", [ctypes.c_int])
-    fused = kernel_function(
-        "silu_gate_up_bf16_packed", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    )
-    if set_stealing is None or fused is None:
+    kernels = ops.kernels_or_none()
+    if kernels is None or kernels.set_linear_stealing(True) is None:
         pytest.skip("no AMX kernel in this build")
     torch.manual_seed(0)
     rows = torch.randn(48, 64).to(torch.bfloat16)
 
     def run(features: int, threads: int, stealing: int) -> tuple[torch.Tensor, torch.Tensor]:
-        set_stealing(stealing)
+        kernels.set_linear_stealing(bool(stealing))
         torch.set_num_threads(threads)
         linear = _kernel_linear(rows, weights[features][0], None, features)
         activated = rows.new_full((48, features), float("nan"))
-        failed = fused(rows.data_ptr(), 64, torch.ops.mkldnn.data_ptr(weights[features][1]),
-                       activated.data_ptr(), features, 48, features, 64, threads)  # fmt: skip
-        assert linear is not None and not failed
+        done = kernels.silu_gate_up_packed(rows, weights[features][1], activated)
+        assert linear is not None and done
         return linear, activated
 
     weights = {  # a projection of `features` columns and a [Wg; Wu] of `features` features
@@ -243,7 +236,7 @@ def test_threads_that_take_each_others_column_blocks_compute_the_same_bits():
                 assert torch.equal(stolen[0], static[0]) and torch.equal(stolen[1], static[1])
                 torch.testing.assert_close(stolen[0].float(), want.float(), atol=1e-2, rtol=1e-2)
     finally:
-        set_stealing(1)
+        kernels.set_linear_stealing(True)
         torch.set_num_threads(before)
 
 

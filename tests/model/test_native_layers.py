@@ -1,6 +1,6 @@
-"""The layers' native path (models/native_layers.py, csrc/decode_layer.c) against the compiled
-layers it stands in for: the same values bit for bit, layer by layer and through the engine.
-Where it serves a model, the engine runs every step there and compiles nothing.
+"""The layers' native path (models/native_layers.py, native/csrc/layer/decode_layer.c) against
+the compiled layers it stands in for: the same values bit for bit, layer by layer and through
+the engine.  Where it serves a model, the engine runs every step there and compiles nothing.
 
 The tiny models here have head_dim 32 (the C code takes head_dims and hidden sizes that are
 multiples of 32: the conftest models' head_dim of 16 is not served), llama without and qwen2
@@ -16,11 +16,11 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama import compiled_kernels
-from kvserve.models.native_layers import NativeLayers, _functions
+from kvserve.models.native_layers import NativeLayers, native_kernels
 from kvserve.models.packed_linear import KERNEL_ALL_ROWS, can_pack
 
 pytestmark = pytest.mark.skipif(
-    not can_pack(torch.device("cpu"), torch.bfloat16) or _functions() is None,
+    not can_pack(torch.device("cpu"), torch.bfloat16) or native_kernels() is None,
     reason="no bfloat16 packing or no AMX build of the kernels on this CPU",
 )
 PROMPTS = [[(i * 7919 + j) % 40000 + 7 for i in range(20 + 13 * j)] for j in range(3)]
@@ -173,7 +173,7 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(
 
 
 def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(model_dirs):
-    """decode_step_plan declines what `forward` attends otherwise (prefills, float32 queries,
+    """plan_decode_step declines what `forward` attends otherwise (prefills, float32 queries,
     an 8-bit cache's prefix shared by enough decodes), and plans a prefix shared by enough
     decodes to be attended once (128 tokens, 4 sequences) as `forward` splits it: the first
     sequence's prefix blocks, each sequence's length past the prefix, buffers for the
@@ -196,12 +196,11 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
 
     def plan(metadata, kv_caches=caches, model_dtype=dtype):
         backend = engine.executor.driver_worker.backend
-        return backend.decode_step_plan(kv_caches, metadata, model_dtype, heads)
+        return backend.plan_decode_step(kv_caches, metadata, model_dtype, heads)
 
     whole = plan(decodes(4, 7))  # 112 shared tokens: not attended apart
     assert whole.tables.dtype == torch.int64 and whole.block_size == 16
-    assert len(whole.caches) == 4 * len(caches) and whole.caches[1] == caches[0].value.data_ptr()
-    assert whole.caches[2] is None and whole.caches[3] is None  # bf16: no scales
+    assert whole.kv_caches == tuple(caches) and whole.kv_caches[0].key_scale is None  # bf16
     assert whole.prefix_blocks == 0 and whole.prior_out is None
     assert whole.seq_lens.tolist() == [150] * 4
     assert plan(decodes(3, 8)).prefix_blocks == 0  # 3 sequences: not attended apart
@@ -215,9 +214,8 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
                max_model_len=256, enforce_eager=False, enable_prefix_caching=False,
                kv_cache_dtype="int8", kv_cache_dtype_check="off").engine  # fmt: skip
     quantized = plan(decodes(2, 0), kv_caches=int8.kv_caches)
-    first = int8.kv_caches[0]
-    assert quantized.kind == 3 and quantized.caches[4] == int8.kv_caches[1].key.data_ptr()
-    assert quantized.caches[2:4] == [first.key_scale.data_ptr(), first.value_scale.data_ptr()]
+    assert quantized.kv_caches == tuple(int8.kv_caches)
+    assert quantized.kv_caches[0].key_scale is not None  # int8: scaled
     assert plan(decodes(4, 7), kv_caches=int8.kv_caches).prefix_blocks == 0
     assert plan(decodes(4, 8), kv_caches=int8.kv_caches) is None  # forward gathers the prefix
 

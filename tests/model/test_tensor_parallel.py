@@ -27,9 +27,9 @@ from kvserve.kv.spec import kv_cache_spec
 from kvserve.models.llama import EAGER, LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.parallel import TPGroup, build_sharded_model, shard_plan
+from kvserve.native.platform import CpuThreadPlan
 from kvserve.request import SamplingParams
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
-from kvserve.runner.platform import CpuThreadPlan
 from kvserve.step import ScheduledRequest
 
 CPU = torch.device("cpu")

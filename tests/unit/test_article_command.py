@@ -17,7 +17,7 @@ from kvserve.attention import describe, select_backend
 from kvserve.cli import build_parser
 from kvserve.flags import engine_config_from_args
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.runner import platform
+from kvserve.native import platform
 
 ARTICLE = (
     "serve MODEL --gpu-memory-utilization 0.90 --max-model-len 32768 --dtype float16 "

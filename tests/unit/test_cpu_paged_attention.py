@@ -17,11 +17,11 @@ from attention_cases import (
 
 from kvserve.attention import quant, select_backend
 from kvserve.attention.base import AttentionMetadata
-from kvserve.attention.cpu_kernels import paged_decode_available, use_amx_decode
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.native import ops
 
-pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler here")
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -62,10 +62,10 @@ def test_bfloat16_queries_equal_reference(kv_dtype, heads, kv_heads, dim, block_
 
 
 def _amx_decode_here() -> bool:
-    if not paged_decode_available():  # no kernel to ask (the module is skipped anyway)
+    if not ops.available():  # no kernel to ask (the module is skipped anyway)
         return False
-    was = use_amx_decode(True)
-    use_amx_decode(was)
+    was = ops.kernels().use_amx_decode(True)
+    ops.kernels().use_amx_decode(was)
     return was
 
 
@@ -100,11 +100,11 @@ def test_amx_scores_equal_the_vector_path_and_the_reference(
     results = {}
     try:
         for amx in (True, False):
-            use_amx_decode(amx)
+            ops.kernels().use_amx_decode(amx)
             lse = torch.empty(len(seq_lens), heads)
             results[amx] = backend._kernel_decode(query, cache, tables, lens, scale, lse), lse
     finally:
-        use_amx_decode(True)
+        ops.kernels().use_amx_decode(True)
     for out, _ in results.values():
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)

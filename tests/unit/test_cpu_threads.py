@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.config import LoadConfig
 from kvserve.errors import ParameterError
-from kvserve.runner.platform import CpuThreadPlan, plan_cpu_threads
+from kvserve.native.platform import CpuThreadPlan, plan_cpu_threads
 
 
 def two_threads_per_core(cpu: int) -> tuple[str, str]:
@@ -51,7 +51,7 @@ def test_cpus_outside_the_affinity_are_refused():
 
 PINNED = """
 import os, torch
-from kvserve.runner import platform
+from kvserve.native import platform
 plan = platform.set_cpu_threads({spec!r})
 x = torch.randn(512, 512)
 for _ in range(20):
@@ -68,9 +68,9 @@ print(repr((torch.get_num_threads(), sorted(os.sched_getaffinity(0)), sorted(mas
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_an_explicit_list_pins_each_compute_thread_to_its_cpu():
-    from kvserve.attention.cpu_kernels import paged_decode_available
+    from kvserve.native import ops
 
-    if not paged_decode_available():
+    if not ops.available():
         pytest.skip("pinning uses the C kernel library")
     cpus = sorted(__import__("os").sched_getaffinity(0))[:2]
     spec = f"{cpus[0]},{cpus[1]}"

@@ -1,4 +1,4 @@
-"""SiLU(gate) x up through csrc/silu_mul.c against torch's expression evaluated in float32
+"""SiLU(gate) x up through csrc/layer/silu_mul.c against torch's expression evaluated in float32
 and rounded once, as the compiled layers evaluate it (eager bf16 rounds SiLU's output to
 bfloat16 before the product, a second rounding that differs from both on ~25% of values):
 within one bfloat16 ulp everywhere and equal almost everywhere (the kernel's exp and
@@ -71,10 +71,10 @@ def test_float32_keeps_torch_expression():
 
 def test_silu_x_up_fused_into_a_packed_projection_is_as_close_as_the_reference():
     """Where the projection kernel takes the weight, a packed gate_up projection computes
-    SiLU(gate) x up in one kernel from the float32 results (csrc/linear_amx.c, or linear_dot.c
-    without AMX, whose 64-column blocks need features a multiple of 64; 600 rows: in chunks),
-    within bfloat16 rounding of the float32 expression and no further than the reference path
-    (F.linear in bf16, then torch's SiLU x up), up to one bf16 rounding.
+    SiLU(gate) x up in one kernel from the float32 results (csrc/linear/linear_amx.c, or
+    linear_dot.c without AMX, whose 64-column blocks need features a multiple of 64; 600 rows:
+    in chunks), within bfloat16 rounding of the float32 expression and no further than the
+    reference path (F.linear in bf16, then torch's SiLU x up), up to one bf16 rounding.
     Without it (kernel_rows 0), oneDNN's projection and then the SiLU kernel: within one bf16
     ulp of torch's SiLU x up of oneDNN's gate and up."""
     from kvserve.models.fused_mlp import packed_silu_gate_up, silu_and_mul

@@ -7,6 +7,9 @@
     leaf modules (errors, config, flags, request, step, tokenizer, allocator) import only
     other leaves, and request also kv/block_hasher.py (a request owns its block hashes)
     formats (the one config.json / GGUF metadata reader) is a leaf the loader and planner share
+    native (the C library: its build, its entry points, the platform and thread plan) sits
+    below attention, models and runner and imports leaves only: it knows tensors, not the
+    packages that call it
 
 Every `import kvserve...` counts, at module level or inside a function: a lazy import is
 still a dependency.  Tools (cli, bench, planner, evaluation) sit outside the serving core.
@@ -31,7 +34,7 @@ import kvserve
 
 ROOT = Path(kvserve.__file__).parent
 LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer", "formats", "allocator"}
-SERVING = {"kv", "attention", "models", "runner", "executor", "engine"}
+SERVING = {"kv", "native", "attention", "models", "runner", "executor", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "allocator": {"errors"},
@@ -46,10 +49,11 @@ ALLOWED: dict[str, set[str]] = {
     "step": {"request", "config", "errors"},
     "tokenizer": {"config", "errors"},
     "kv": {"config", "errors"},
-    "attention": {"kv", "config", "errors"},
-    "models": {"attention", "kv", "config", "errors", "formats"},
-    "runner": {"models", "attention", "kv"} | LEAVES,
-    "executor": {"runner", "models", "attention", "kv"} | LEAVES,
+    "native": {"config", "errors"},
+    "attention": {"kv", "native", "config", "errors"},
+    "models": {"attention", "native", "kv", "config", "errors", "formats"},
+    "runner": {"models", "attention", "native", "kv"} | LEAVES,
+    "executor": {"runner", "models", "attention", "native", "kv"} | LEAVES,
     "engine": {"executor", "kv"} | LEAVES,
     "llm": {"engine"} | LEAVES,
     "server": {"engine"} | LEAVES,

@@ -1,4 +1,4 @@
-"""The C kernel's build cache: keyed by the instruction set, private (0700), and a cached
+"""The native library's build cache: keyed by the instruction set, private (0700), and a cached
 library is loaded only when it is a regular file of ours that nobody else can write; a corrupt,
 foreign or writable one is replaced by a fresh build.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.attention import cpu_kernels
+from kvserve.native import build
 
 COMPILER = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler here")
@@ -26,9 +26,9 @@ FEATURES = "-march= test\n-mavx2 [enabled]"
 def built(tmp_path_factory) -> Path:
     """A real build through the cache (compiler, flags, rename, mode)."""
     directory = tmp_path_factory.mktemp("cache") / "kernels"
-    lib = cpu_kernels.load_kernel(directory, COMPILER, FEATURES)
+    lib = build.load_kernel(directory, COMPILER, FEATURES)
     assert lib.paged_decode_attention is not None
-    path = directory / cpu_kernels.library_name(COMPILER, FEATURES)
+    path = directory / build.library_name(COMPILER, FEATURES)
     assert stat.S_IMODE(path.stat().st_mode) == 0o700 and os.listdir(directory) == [path.name]
     return path
 
@@ -43,27 +43,27 @@ def fake_compiler(monkeypatch, built) -> list[Path]:
         shutil.copyfile(built, output)
         os.chmod(output, 0o700)
 
-    monkeypatch.setattr(cpu_kernels, "_compile", compile_copy)
+    monkeypatch.setattr(build, "_compile", compile_copy)
     return builds
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    return cpu_kernels.kernel_cache_dir()
+    return build.kernel_cache_dir()
 
 
 def load(cache: Path):
-    return cpu_kernels.load_kernel(cache, COMPILER, FEATURES)
+    return build.load_kernel(cache, COMPILER, FEATURES)
 
 
 def cached_path(cache: Path) -> Path:
-    return cache / cpu_kernels.library_name(COMPILER, FEATURES)
+    return cache / build.library_name(COMPILER, FEATURES)
 
 
 def assert_rebuilt(path: Path, built: Path) -> None:
     """`path` now holds a fresh build: a private regular file equal to the real library."""
-    assert cpu_kernels.untrusted_reason(path) is None
+    assert build.untrusted_reason(path) is None
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert path.read_bytes() == built.read_bytes()
 
@@ -85,21 +85,21 @@ def test_an_existing_cache_dir_of_ours_is_tightened_to_0700(cache, fake_compiler
 
 
 def test_the_key_changes_with_the_instruction_set(cache, fake_compiler, monkeypatch):
-    a = cpu_kernels.library_name(COMPILER, "-march= skylake-avx512\n-mavx512bf16 [disabled]")
-    b = cpu_kernels.library_name(COMPILER, "-march= sapphirerapids\n-mavx512bf16 [enabled]")
+    a = build.library_name(COMPILER, "-march= skylake-avx512\n-mavx512bf16 [disabled]")
+    b = build.library_name(COMPILER, "-march= sapphirerapids\n-mavx512bf16 [enabled]")
     assert a != b
     answers = iter(["-march= x86-64-v3", "-march= x86-64-v4", "-march= x86-64-v4"])
-    monkeypatch.setattr(cpu_kernels, "isa_features", lambda compiler: next(answers))
+    monkeypatch.setattr(build, "isa_features", lambda compiler: next(answers))
     monkeypatch.setenv("CC", COMPILER)
-    for _ in range(3):  # load_paged_decode without its once-per-process cache
-        cpu_kernels.load_paged_decode.__wrapped__()
+    for _ in range(3):  # load_library without its once-per-process cache
+        build.load_library.__wrapped__()
     assert len(fake_compiler) == 2 and len(os.listdir(cache)) == 2  # v4 built once
 
 
 def test_isa_features_resolve_march_native():
-    features = cpu_kernels.isa_features(COMPILER)
+    features = build.isa_features(COMPILER)
     assert "-march=" in features or "flags" in features
-    assert cpu_kernels.isa_features("/nonexistent/cc") == cpu_kernels._cpuinfo_features()
+    assert build.isa_features("/nonexistent/cc") == build._cpuinfo_features()
 
 
 def test_a_corrupt_library_is_rebuilt(cache, fake_compiler, built):
@@ -131,7 +131,7 @@ def test_a_group_or_world_writable_library_is_rebuilt(cache, fake_compiler, buil
     path = cached_path(cache)
     shutil.copyfile(built, path)
     os.chmod(path, mode)
-    assert "writable by group or others" in cpu_kernels.untrusted_reason(path)
+    assert "writable by group or others" in build.untrusted_reason(path)
     load(cache)
     assert fake_compiler == [cache]
     assert_rebuilt(path, built)
@@ -141,7 +141,7 @@ def test_a_symlink_is_not_followed(cache, fake_compiler, built):
     cache.mkdir(mode=0o700)
     path = cached_path(cache)
     path.symlink_to(built)
-    assert cpu_kernels.untrusted_reason(path) == "it is not a regular file"
+    assert build.untrusted_reason(path) == "it is not a regular file"
     load(cache)
     assert fake_compiler == [cache] and not path.is_symlink()
     assert_rebuilt(path, built)
@@ -156,12 +156,12 @@ def test_a_library_owned_by_someone_else_is_rebuilt(cache, fake_compiler, built,
     os.chmod(path, 0o700)
     if os.geteuid() == 0:
         os.chown(path, 65534, 65534)
-        assert cpu_kernels.untrusted_reason(path) == "it is owned by uid 65534, not 0"
+        assert build.untrusted_reason(path) == "it is owned by uid 65534, not 0"
         load(cache)
         assert fake_compiler == [cache] and path.stat().st_uid == 0
         assert_rebuilt(path, built)
     else:
-        monkeypatch.setattr(cpu_kernels.os, "getuid", lambda: os.geteuid() + 1)
+        monkeypatch.setattr(build.os, "getuid", lambda: os.geteuid() + 1)
         load(cache)
         assert len(fake_compiler) == 1 and fake_compiler[0] != cache
         assert not fake_compiler[0].exists()  # the private build directory is gone
@@ -172,10 +172,10 @@ def test_a_foreign_cache_dir_is_not_used(tmp_path, fake_compiler, built):
     directory is built in and removed once the library is loaded."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    shutil.copyfile(built, elsewhere / cpu_kernels.library_name(COMPILER, FEATURES))
+    shutil.copyfile(built, elsewhere / build.library_name(COMPILER, FEATURES))
     link = tmp_path / "kernels"
     link.symlink_to(elsewhere)
-    lib = cpu_kernels.load_kernel(link, COMPILER, FEATURES)
+    lib = build.load_kernel(link, COMPILER, FEATURES)
     assert len(fake_compiler) == 1 and fake_compiler[0] not in (link, elsewhere)
     assert not fake_compiler[0].exists()  # removed once loaded ...
     assert lib.paged_decode_attention is not None  # ... and the library still works
@@ -188,7 +188,7 @@ def test_a_file_that_cannot_be_removed_is_left_and_the_build_goes_elsewhere(
     path = cached_path(cache)
     path.write_bytes(b"not a library")
     os.chmod(path, 0o700)
-    monkeypatch.setattr(cpu_kernels, "_try_remove", lambda p: False)
+    monkeypatch.setattr(build, "_try_remove", lambda p: False)
     lib = load(cache)
     assert lib.paged_decode_attention is not None and path.read_bytes() == b"not a library"
     assert len(fake_compiler) == 1 and fake_compiler[0] != cache
@@ -201,10 +201,10 @@ def test_the_kernels_build_for_cpus_without_avx512(tmp_path, target):
     `#ifdef` on a macro defined as 0 made the whole library fail to build there, which left
     those CPUs on the reference backend's paths without a word."""
     flags = [f"-march={target}" if flag == "-march=native" else flag
-             for flag in cpu_kernels._FLAGS]  # fmt: skip
+             for flag in build.FLAGS]  # fmt: skip
     output = tmp_path / "lib.so"
     result = subprocess.run(
-        [COMPILER, *flags, *map(str, cpu_kernels._SOURCES), "-o", str(output), "-lm"],
+        build.compile_command(COMPILER, build.CSRC, build.SOURCES, output, flags),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvserve.attention import quant
-from kvserve.attention.cpu_kernels import paged_decode_available
 from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.native import ops
 
-pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler here")
 
 
 def rows(dtype: torch.dtype, strided: bool, gen: torch.Generator) -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_every_fp8_value_is_stored_as_torch_stores_it(kv_dtype):
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("num_tokens", [37, 1200])  # 1,200: the multi-threaded copy
 def test_a_cache_of_the_rows_dtype_stores_them_as_they_are(dtype, strided, num_tokens):
-    """The C copy store (csrc/kv_quantize.c kv_copy_store), which replaced index_copy_ for
+    """The C copy store (csrc/attention/kv_quantize.c kv_copy_store), which replaced index_copy_ for
     unquantized caches: every row lands in its slot unchanged, nothing else is written."""
     from kvserve.attention.kv_cache import _store_rows_in_c
 

@@ -138,8 +138,8 @@ def sorted_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float])
 
 @pytest.mark.parametrize("candidates", ["kernel", (256, 4096), (3,), ()])
 def test_top_k_and_top_p_keep_what_sorting_whole_rows_keeps(monkeypatch, candidates):
-    """On a CPU, top-p's threshold comes from csrc/sample_rows.c (selection on mass, no sort);
-    elsewhere the filters look among the largest logits (`topk`), widening the candidates
+    """On a CPU, top-p's threshold comes from csrc/sampling/sample_rows.c (selection on mass, no
+    sort); elsewhere the filters look among the largest logits (`topk`), widening the candidates
     until they hold top_p of the mass: with candidates too few for some rows (3), or none (a
     whole sort).  Either way the kept tokens are the ones a sort of each whole row keeps."""
     if candidates == "kernel":
@@ -182,9 +182,9 @@ def test_draws_never_fall_on_filtered_tokens_even_at_the_top_of_the_unit_interva
 
 
 def test_the_c_draw_equals_the_torch_draw_with_floors_applied():
-    """csrc/sample_rows.c's draw (probabilities below the row's floor counted as 0, walked in
-    chunks of 16) picks the token torch's float64 cumulative sums pick for the same uniform,
-    and never one below its row's floor."""
+    """csrc/sampling/sample_rows.c's draw (probabilities below the row's floor counted as 0,
+    walked in chunks of 16) picks the token torch's float64 cumulative sums pick for the same
+    uniform, and never one below its row's floor."""
     draw_kernel = sampling._sample_kernels().draw
     if draw_kernel is None:
         pytest.skip("no C kernels here")
@@ -211,7 +211,7 @@ def test_the_c_draw_equals_the_torch_draw_with_floors_applied():
 
 @pytest.mark.parametrize("cols", [1, 5, 17, 1000, 49152])
 def test_the_c_top_k_floor_is_the_k_th_largest_probability_ties_kept(cols):
-    """csrc/sample_rows.c's top-k selection (quickselect on counts) against a sort of each
+    """csrc/sampling/sample_rows.c's top-k selection (quickselect on counts) against a sort of each
     row: the floor is the k-th largest probability, and the kept mass is that of every token
     at or above it, ties with the k-th included (bf16 logits tie often); rows with top_k at
     or past the vocabulary keep everything (floor 0, mass 1), and a NaN row stays whole."""

@@ -9,14 +9,14 @@ import torch
 from attention_cases import filled_cache
 
 from kvserve.attention import select_backend
-from kvserve.attention.cpu_kernels import paged_decode_available
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.native import ops
 from kvserve.request import SamplingParams
 from kvserve.runner.model_runner import build_attention_metadata, build_batch_input
 from kvserve.step import ScheduledRequest
 
-pytestmark = pytest.mark.skipif(not paged_decode_available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler here")
 
 BLOCK = 16
 

@@ -21,7 +21,7 @@ from kvserve.executor.memory import (
     kv_budget_bytes,
 )
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.runner import platform
+from kvserve.native import platform
 
 # 20 GiB of RAM: the headroom is 10% = 2 GiB.  12 GiB available after 2 GiB of weights, so the
 # largest safe KV cache is 12 - 2 = 10 GiB, and --gpu-memory-utilization U asks for

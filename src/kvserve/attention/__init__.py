@@ -10,6 +10,8 @@ import torch
 from kvserve.attention.base import AttentionBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.errors import ParameterError
+from kvserve.native import ops
+from kvserve.native.build import KernelBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,6 @@ def describe(backend: AttentionBackend) -> str:
 
 
 def _select(name: str, device: torch.device) -> AttentionBackend:
-    from kvserve.attention import cpu_kernels
-
     if name == "torch":
         return TorchRefBackend()
     if name == "flex" or (name == "auto" and device.type == "cuda"):
@@ -49,14 +49,14 @@ def _select(name: str, device: torch.device) -> AttentionBackend:
         )
     if name == "cpu-paged":
         try:
-            cpu_kernels.load_paged_decode()
-        except (cpu_kernels.KernelBuildError, OSError, subprocess.SubprocessError) as exc:
+            ops.kernels()
+        except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
             raise ParameterError(
                 "--attention-backend",
                 f"cpu-paged: the C kernel could not be built ({exc}); "
                 "install gcc or use --attention-backend torch",
             ) from exc
-    elif device.type != "cpu" or not cpu_kernels.paged_decode_available():
+    elif device.type != "cpu" or not ops.available():
         return TorchRefBackend()  # auto, where the kernel cannot run
     from kvserve.attention.cpu_paged import CpuPagedBackend
 

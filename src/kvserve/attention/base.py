@@ -8,10 +8,16 @@ A step's flattened tokens are ordered decodes first (one query token each), then
 
 A backend writes each new token's K/V into its slot, then attends each query over its
 sequence's blocks up to its own position.
+
+A model that runs a decode step's layers in one native call (models/native_layers.py) cannot
+call `forward` between them: the runner asks the backend for the step's `DecodeStepPlan`
+instead (`plan_decode_step`, None by default: the layers then call `forward`) and passes it to
+the model, which hands it to the native code as data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,8 +51,29 @@ class AttentionMetadata:
     shared_prefix_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class DecodeStepPlan:
+    """A decode-only step's attention, the same for every layer but the cache: what
+    `forward` would compute in each layer, as data (no backend type, no pointers) for a native
+    decode step that attends inside its one call.  The caches' rows are stored and read as
+    `forward` stores and reads them (the new K/V rows at `slots`, quantized for 8-bit caches)."""
+
+    kv_caches: tuple[LayerKVCache, ...]  # every layer's, all of one kv_dtype and storage dtype
+    tables: torch.Tensor  # [B, max_blocks] int64, contiguous: each decode's block table
+    seq_lens: torch.Tensor  # [B] int64: tokens past the shared prefix (all, without one)
+    slots: torch.Tensor  # [B] int64: where each decode's new K/V row goes
+    block_size: int
+    # A shared prefix attended once for all the decodes (0 blocks: none), its blocks, and the
+    # buffers of its attention's outputs and log-sum-exps, [B, H, D] and [B, H] float32.
+    prefix_blocks: int = 0
+    prefix_table: torch.Tensor | None = None  # [prefix_blocks] int64
+    prior_out: torch.Tensor | None = None
+    prior_lse: torch.Tensor | None = None
+
+
 class AttentionBackend(Protocol):
-    """What the model needs from an attention implementation.
+    """What the model needs from an attention implementation.  Backends subclass it, so that
+    they inherit the defaults of its optional parts (`plan_decode_step`).
 
     A backend class may set `graph_safe_decode = True` when its decode-only forward can be
     recorded in a CUDA graph (static shapes for a given batch size and block-table width, no
@@ -63,3 +90,14 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+    def plan_decode_step(
+        self,
+        kv_caches: Sequence[LayerKVCache],
+        metadata: AttentionMetadata,
+        dtype: torch.dtype,  # the queries' (the model's)
+        num_heads: int,  # query heads
+    ) -> DecodeStepPlan | None:
+        """The step's attention as data for a one-call native decode step, or None (the
+        default): the model's layers call `forward` as usual."""
+        return None

@@ -1,5 +1,6 @@
-"""A bfloat16 prefill chunk's attention through csrc/prefill_bf16.c: on AMX tiles where the
-CPU has them, else with AVX512-BF16 dot products.
+"""A bfloat16 prefill chunk's attention through the native library's prefill kernel
+(native/csrc/attention/prefill_bf16.c): on AMX tiles where the CPU has them, else with
+AVX512-BF16 dot products.
 
 PyTorch's CPU flash kernel attends a 256-token causal prompt of the embedded model in ~290 us
 a layer on two AMX cores (~240 GFLOP/s), and in ~1.1 ms on two AVX512-BF16 cores without AMX
@@ -13,23 +14,11 @@ a head size not a multiple of 32), `attend` returns None and the caller keeps SD
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from collections.abc import Callable
 
 import torch
 
-
-@functools.cache
-def _kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernel_function
-
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return kernel_function(
-        "prefill_attention_bf16",
-        [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32, i32, i32,
-         ctypes.c_float, i32, ptr, ptr, ptr, i32, i32, ptr, i64, i64],
-    )  # fmt: skip
+from kvserve.native import ops
 
 
 def _fits(x: torch.Tensor) -> bool:
@@ -54,7 +43,7 @@ BEST, VECTORS = 0, 1
 def prefill_kernel_available() -> bool:
     """The kernel runs here: built with AVX512-BF16 (the compiler and the CPU have it)."""
     probe = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
-    return _kernel() is not None and attend(probe, probe, probe, True, 1.0) is not None
+    return ops.available() and attend(probe, probe, probe, True, 1.0) is not None
 
 
 def attend(
@@ -134,8 +123,7 @@ def _attend(
     with_lse: bool,
     engine: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    kernel = _kernel()
-    if kernel is None or not all(_fits(x) for x in (query, keys, values)):
+    if not ops.available() or not all(_fits(x) for x in (query, keys, values)):
         return None
     (num_seqs, num_query, num_heads, dim), num_kv_heads = query.shape, keys.shape[2]
     if causal and num_keys < num_query or num_heads % num_kv_heads:
@@ -144,15 +132,7 @@ def _attend(
     out = torch.empty((num_seqs, num_query, num_heads, dim), dtype=out_dtype)
     lse = torch.empty((num_seqs, num_query, num_heads), dtype=torch.float32) if with_lse else None
     tables, block_size = table if table is not None else (None, 0)
-    failed = kernel(
-        query.data_ptr(), query.stride(1), query.stride(0), keys.data_ptr(), keys.stride(1),
-        keys.stride(0), values.data_ptr(), values.stride(1), values.stride(0), num_seqs,
-        num_query, num_keys, num_heads, num_kv_heads, dim, scale, int(causal),
-        None if with_lse else out.data_ptr(), out.data_ptr() if with_lse else None,
-        None if lse is None else lse.data_ptr(), engine, torch.get_num_threads(),
-        None if tables is None else tables.data_ptr(),
-        0 if tables is None else tables.stride(0), block_size,
-    )  # fmt: skip
-    if failed == 2:
-        raise MemoryError("bf16 prefill attention: out of memory for its buffers")
-    return None if failed else (out, lse)
+    done = ops.kernels().prefill_attention(
+        query, keys, values, num_keys, causal, scale, out, lse, engine, tables, block_size
+    )
+    return (out, lse) if done else None

@@ -11,35 +11,16 @@ SDPA's blocked kernels are faster there.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 
-from kvserve.attention import bf16_prefill, quant, shared_prefix
-from kvserve.attention.base import AttentionMetadata, PrefillSpan
-from kvserve.attention.cpu_kernels import load_paged_decode
+from kvserve.attention import bf16_prefill, shared_prefix
+from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
-
-# Storage kinds of the C kernel (enum kv_kind in csrc/paged_decode.c).
-_KIND_BY_DTYPE = {
-    torch.float32: 0,
-    torch.bfloat16: 1,
-    torch.float16: 2,
-    torch.int8: 3,
-}
-# fp8 is stored as bytes: the kernel decodes it through a 256-entry table, or, on its AVX512
-# path, with shifts (e4m3 and e5m2 differ in their exponent width).
-_KIND_BY_FP8 = {"fp8_e4m3": 5, "fp8_e5m2": 6}
-
-
-def fp8_lookup_table(kv_dtype: str) -> torch.Tensor:
-    """float32 value of each of the 256 bytes of an fp8 format, exactly as torch decodes them."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return codes.view(quant.FP8_TORCH_DTYPES[kv_dtype]).to(torch.float32)
+from kvserve.native import ops
 
 
 def sharing_rows(
@@ -76,10 +57,6 @@ def _rows_of(spans: list[PrefillSpan]) -> slice | torch.Tensor:
     return torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
-
-
 def _cache_keeps_as_computed(
     key: torch.Tensor, value: torch.Tensor, kv_cache: LayerKVCache
 ) -> bool:
@@ -112,48 +89,12 @@ def _attends_prefix_once(
     )
 
 
-class DecodeStepPlan(NamedTuple):
-    """A decode-only step's attention, the same for every layer but the cache: what
-    csrc/decode_layer.c's decode_step_layers needs to run all the layers in one call
-    (models/native_layers.py)."""
-
-    caches: ctypes.Array  # [4 x layers] each layer's key, value, key and value scales (or NULL)
-    tables: torch.Tensor  # [B, max_blocks] int64
-    seq_lens: torch.Tensor  # [B] int64: tokens past the shared prefix (all, without one)
-    slots: torch.Tensor  # [B] int64: where each decode's new K/V row goes
-    kind: int  # the caches' storage (enum kv_kind)
-    block_size: int
-    # A shared prefix attended once for all the decodes (0 blocks: none), its blocks, and the
-    # buffers of its attention's outputs and log-sum-exps, [B, H, D] and [B, H] float32.
-    prefix_blocks: int = 0
-    prefix_table: torch.Tensor | None = None
-    prior_out: torch.Tensor | None = None
-    prior_lse: torch.Tensor | None = None
-
-
-class _NewRows(NamedTuple):
-    """A decode step's new K/V rows [B, Hkv, D] and their slots [B] (int64), for the kernel."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    slots: torch.Tensor
-
-    def kernel_args(self) -> tuple[ctypes.c_void_p, ctypes.c_void_p, int, int, ctypes.c_void_p]:
-        size = self.key.element_size()
-        return (_ptr(self.key), _ptr(self.value), self.key.stride(0) * size,
-                self.value.stride(0) * size, _ptr(self.slots))  # fmt: skip
-
-
-_NO_ROWS = (ctypes.c_void_p(None), ctypes.c_void_p(None), 0, 0, ctypes.c_void_p(None))
-
-
 class CpuPagedBackend(TorchRefBackend):
     """Same outputs as TorchRefBackend (up to float32 summation order), faster decodes on CPU.
     Tensors on another device go through the reference path."""
 
     def __init__(self) -> None:
-        self._kernel = load_paged_decode().paged_decode_attention
-        self._luts = {name: fp8_lookup_table(name) for name in quant.FP8_TORCH_DTYPES}
+        self._kernels = ops.kernels()
         self._bf16_prefill = bf16_prefill.prefill_kernel_available()
 
     def forward(
@@ -171,13 +112,13 @@ class CpuPagedBackend(TorchRefBackend):
         inside = [s for s in metadata.prefills if s.seq_len - s.num_query < prefix_len]
         if query.device.type != "cpu" or not _attends_prefix_once(metadata, prefix_len, inside):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
-                store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
+                store = ops.NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
             return super().forward(query, key, value, kv_cache, metadata, scale)
         if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
             # Decodes only, all past the prefix: the kernel stores their rows as it attends
             # them (W3's decode steps: a separate write cost ~60 us a layer).
-            store = _NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
+            store = ops.NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
             return self._split_at_shared_prefix(query, kv_cache, metadata, scale, store)
         kv_cache.write(metadata.slot_mapping, key, value)
         if not inside:
@@ -190,7 +131,7 @@ class CpuPagedBackend(TorchRefBackend):
         out[rows] = self._split_at_shared_prefix(query[rows], kv_cache, sharing, scale)
         return out
 
-    def decode_step_plan(
+    def plan_decode_step(
         self,
         kv_caches: Sequence[LayerKVCache],
         metadata: AttentionMetadata,
@@ -215,17 +156,11 @@ class CpuPagedBackend(TorchRefBackend):
             return None
         block_size = first.key.shape[1]
         prefix_len = metadata.shared_prefix_blocks * block_size
-        pointers = [
-            None if t is None else t.data_ptr()
-            for cache in kv_caches
-            for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)
-        ]
         plan = DecodeStepPlan(
-            caches=(ctypes.c_void_p * len(pointers))(*pointers),
+            kv_caches=tuple(kv_caches),
             tables=metadata.decode_block_tables.to(torch.int64).contiguous(),
             seq_lens=metadata.decode_seq_lens.to(torch.int64).contiguous(),
             slots=metadata.slot_mapping.to(torch.int64).contiguous(),
-            kind=self._kind(first),
             block_size=block_size,
         )
         if not _attends_prefix_once(metadata, prefix_len, ()):
@@ -233,7 +168,8 @@ class CpuPagedBackend(TorchRefBackend):
         if not self._bf16_prefill or block_size % 16 or first.quantized:
             return None  # forward gathers the prefix for SDPA: the layers call it
         rows, dim = metadata.num_decode_tokens, first.key.shape[3]
-        return plan._replace(
+        return replace(
+            plan,
             seq_lens=plan.seq_lens - prefix_len,
             prefix_blocks=metadata.shared_prefix_blocks,
             prefix_table=plan.tables[0, : metadata.shared_prefix_blocks].contiguous(),
@@ -292,7 +228,7 @@ class CpuPagedBackend(TorchRefBackend):
         kv_cache: LayerKVCache,
         md: AttentionMetadata,
         scale: float,
-        store: _NewRows | None = None,  # a decode-only step's new rows, stored by the kernel
+        store: ops.NewRows | None = None,  # a decode-only step's new rows, stored by the kernel
     ) -> torch.Tensor:
         num_blocks = md.shared_prefix_blocks
         prefix_len = num_blocks * kv_cache.key.shape[1]
@@ -447,7 +383,7 @@ class CpuPagedBackend(TorchRefBackend):
         kv_cache: LayerKVCache,
         md: AttentionMetadata,
         scale: float,
-        store: _NewRows | None = None,
+        store: ops.NewRows | None = None,
     ) -> torch.Tensor:
         """The decodes through the C kernel.  With `store`, a decode-only step is one kernel
         call: each sequence's new K/V row is stored by the thread that then attends it (a
@@ -468,33 +404,14 @@ class CpuPagedBackend(TorchRefBackend):
         seq_lens: torch.Tensor,  # [B]
         scale: float,
         lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
-        store: _NewRows | None = None,  # rows the kernel stores before attending
+        store: ops.NewRows | None = None,  # rows the kernel stores before attending
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,  # merged in (see the kernel)
     ) -> torch.Tensor:  # [B, H, D]: bfloat16 for bfloat16 queries without lse, else float32
-        num_seqs, num_heads, head_dim = query.shape
-        num_kv_heads, block_size = kv_cache.key.shape[2], kv_cache.key.shape[1]
         # A bf16 model's plain decode: the kernel widens q and rounds its output itself.
         io_bf16 = query.dtype == torch.bfloat16 and lse is None
         q = query.contiguous() if io_bf16 else query.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
-        lut = self._luts.get(kv_cache.kv_dtype) if kv_cache.quantized else None
-        failed = self._kernel(
-            _ptr(q), _ptr(out), _ptr(kv_cache.key), _ptr(kv_cache.value),
-            _ptr(kv_cache.key_scale), _ptr(kv_cache.value_scale), _ptr(lut),
-            self._kind(kv_cache), _ptr(tables), _ptr(lens),
-            num_seqs, tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim,
-            block_size, scale, torch.get_num_threads(), _ptr(lse), int(io_bf16),
-            *(_NO_ROWS if store is None else store.kernel_args()),
-            *((None, None) if prior is None else (_ptr(prior[0]), _ptr(prior[1]))),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError("paged decode attention: out of memory for its score buffer")
+        self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior)
         return out
-
-    @staticmethod
-    def _kind(kv_cache: LayerKVCache) -> int:
-        if kv_cache.key.dtype == torch.uint8:
-            return _KIND_BY_FP8[kv_cache.kv_dtype]
-        return _KIND_BY_DTYPE[kv_cache.key.dtype]

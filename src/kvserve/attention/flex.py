@@ -24,14 +24,14 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import flex_attention
 
-from kvserve.attention.base import AttentionMetadata
+from kvserve.attention.base import AttentionBackend, AttentionMetadata
 from kvserve.attention.flex_plan import IN_PLACE, PER_SEQUENCE, SHARED, FlexCall, plan_step
 from kvserve.attention.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
 
 
-class FlexAttentionBackend:
+class FlexAttentionBackend(AttentionBackend):
     """Same outputs as TorchRefBackend up to summation order.
 
     `layout` None picks where keys are read from (flex_plan.py): compiled, the cache in place

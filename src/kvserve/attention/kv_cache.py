@@ -10,25 +10,23 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvserve.attention import quant
 from kvserve.kv.spec import KVCacheSpec
+from kvserve.native import ops
+from kvserve.native.kinds import kind_of
 
-_C_SOURCE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-_C_TARGET_KINDS = {"int8": 3, "fp8_e4m3": 5, "fp8_e5m2": 6}
 
-
-def _c_rows_library(x: torch.Tensor) -> Any:
-    """The C kernel library when `x` [T, heads, dim] can go through it (a CPU tensor whose
+def _c_rows_kernels(x: torch.Tensor) -> ops.Kernels | None:
+    """The native library when `x` [T, heads, dim] can go through it (a CPU tensor whose
     heads x dim values are contiguous per token, float32 or bfloat16), else None."""
-    if x.device.type != "cpu" or x.dtype not in _C_SOURCE_KINDS or x.stride(-1) != 1:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    from kvserve.attention.cpu_kernels import kernels_or_none
-
-    return kernels_or_none() if x.stride(1) == x.shape[2] else None
+    if x.stride(-1) != 1 or x.stride(1) != x.shape[2]:
+        return None
+    return ops.kernels_or_none()
 
 
 def _store_quantized_in_c(
@@ -38,34 +36,26 @@ def _store_quantized_in_c(
     slot_mapping: torch.Tensor,
     layer: LayerKVCache,
 ) -> bool:
-    """Quantize and store `x` in one pass through the C kernel library (csrc/kv_quantize.c,
-    the same codes as attention/quant.py bit for bit); False where it does not apply (another
-    device or dtype, no compiler), and the torch path stores instead."""
-    lib = _c_rows_library(x)
-    if lib is None:
+    """Quantize and store `x` in one pass through the native library
+    (native/csrc/attention/kv_quantize.c, the same codes as attention/quant.py bit for bit); False
+    where it does not apply (another device or dtype, no compiler), and the torch path stores
+    instead."""
+    kernels = _c_rows_kernels(x)
+    if kernels is None:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
-    lib.kv_quantize_store(
-        x.data_ptr(), _C_SOURCE_KINDS[x.dtype], x.stride(0), flat.data_ptr(),
-        None if scales is None else scales.data_ptr(), slots.data_ptr(), x.shape[0],
-        x.shape[1], x.shape[2], _C_TARGET_KINDS[layer.kv_dtype], torch.get_num_threads(),
-    )  # fmt: skip
+    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, layer.kv_dtype))
     return True
 
 
 def _store_rows_in_c(x: torch.Tensor, flat: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-    """Copy `x` into the slots of a cache of its own dtype through the C library (one memcpy
-    per token, where index_copy_ cost ~40 us per 128-row call); False where it does not apply.
-    The slots are the engine's own (block tables), inside the cache by construction."""
-    lib = _c_rows_library(x) if x.dtype == flat.dtype and flat.is_contiguous() else None
-    if lib is None:
+    """Copy `x` into the slots of a cache of its own dtype through the native library (one
+    memcpy per token, where index_copy_ cost ~40 us per 128-row call); False where it does not
+    apply.  The slots are the engine's own (block tables), inside the cache by construction."""
+    kernels = _c_rows_kernels(x) if x.dtype == flat.dtype and flat.is_contiguous() else None
+    if kernels is None:
         return False
-    slots = slot_mapping.to(torch.int64).contiguous()
-    row_bytes = x.shape[1] * x.shape[2] * x.element_size()
-    lib.kv_copy_store(
-        x.data_ptr(), x.stride(0) * x.element_size(), flat.data_ptr(), slots.data_ptr(),
-        x.shape[0], row_bytes, torch.get_num_threads(),
-    )  # fmt: skip
+    kernels.kv_copy_store(x, flat, slot_mapping.to(torch.int64).contiguous())
     return True
 
 

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.base import AttentionMetadata, PrefillSpan
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 
 
-class TorchRefBackend:
+class TorchRefBackend(AttentionBackend):
     """The reference backend; any faster backend must give the same outputs."""
 
     # Decode is one gather over the padded block tables plus a masked SDPA: no host sync and

@@ -90,7 +90,7 @@ def run_eval(args: argparse.Namespace) -> int:
     # The evaluation's imports (torch, the model, the tokenizer) only where it runs.
     from kvserve.evaluation.kv_eval import evaluate_kv_dtypes, load_model
     from kvserve.evaluation.paged import check_kv_dtypes
-    from kvserve.runner import platform
+    from kvserve.native import platform
 
     config = engine_config_from_args(args)
     settings = settings_from_args(args)

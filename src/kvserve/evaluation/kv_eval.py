@@ -20,7 +20,7 @@ from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
 from kvserve.evaluation.settings import EvalSettings
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.registry import get_model_class
-from kvserve.runner import platform
+from kvserve.native import platform
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")

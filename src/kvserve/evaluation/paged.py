@@ -12,7 +12,7 @@ import torch
 from kvserve.config import KV_CACHE_DTYPES, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.kv.spec import KVCacheSpec, kv_cache_spec
-from kvserve.runner import platform
+from kvserve.native import platform
 from kvserve.runner.paged_forward import (
     PagedCache,
     Piece,

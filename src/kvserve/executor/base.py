@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
 from kvserve.errors import ParameterError
-from kvserve.runner import platform
-from kvserve.runner.platform import CpuThreadPlan
+from kvserve.native import platform
+from kvserve.native.platform import CpuThreadPlan
 
 logger = logging.getLogger("kvserve")
 

@@ -14,7 +14,7 @@ import torch
 
 from kvserve.config import GPU_MEMORY_UTILIZATION_DEFAULT, CacheConfig, format_bytes
 from kvserve.errors import UserInputError
-from kvserve.runner import platform
+from kvserve.native import platform
 
 logger = logging.getLogger("kvserve")
 GIB = 1024**3

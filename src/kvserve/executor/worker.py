@@ -37,7 +37,7 @@ from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, shard_plan
 from kvserve.models.registry import get_model_class
-from kvserve.runner import platform
+from kvserve.native import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import ModelRunnerOutput, SchedulerOutput

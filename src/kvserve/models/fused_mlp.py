@@ -1,4 +1,4 @@
-"""SiLU(gate) x up of a bfloat16 model's MLP on a CPU, through csrc/silu_mul.c.
+"""SiLU(gate) x up of a bfloat16 model's MLP on a CPU, through native/csrc/layer/silu_mul.c.
 
 Inductor compiles `F.silu(gate) * up` into one vectorized loop, but with a 1-ulp exp and a
 true division per value: 1.23 ms a layer for a 2,048-token prefill step of the embedded
@@ -10,14 +10,11 @@ Float32 models keep torch's expression, and with it their exact parity with tran
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from kvserve.models.packed_linear import on_bucketed_rows
+from kvserve.native import ops
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -26,17 +23,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.cache
-def _kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernels_or_none
-
-    kernels = kernels_or_none()
-    return None if kernels is None else kernels.silu_mul_bf16
-
-
 def fused_silu_available(device: torch.device, dtype: torch.dtype) -> bool:
     """The C kernel serves this model: bfloat16 on a CPU, built with AVX512-BF16."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or _kernel() is None:
+    if device.type != "cpu" or dtype != torch.bfloat16 or not ops.available():
         return False
     probe = torch.zeros(1, 32, dtype=torch.bfloat16)
     return _silu_mul_in_c(probe) is not None
@@ -44,16 +33,14 @@ def fused_silu_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _silu_mul_in_c(gate_up: torch.Tensor) -> torch.Tensor | None:
     """The C kernel's result, or None where it does not apply (layout, or a build without
-    AVX512-BF16, which returns 1)."""
+    AVX512-BF16, which declines)."""
     rows = gate_up.reshape(-1, gate_up.shape[-1])
-    kernel = _kernel()
-    if kernel is None or rows.stride(-1) != 1 or gate_up.shape[-1] % 2:
+    kernels = ops.kernels_or_none()
+    if kernels is None or rows.stride(-1) != 1 or gate_up.shape[-1] % 2:
         return None
     n = rows.shape[1] // 2
     out = rows.new_empty((rows.shape[0], n))
-    failed = kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n,
-                    torch.get_num_threads())  # fmt: skip
-    return None if failed else out.view(*gate_up.shape[:-1], n)
+    return out.view(*gate_up.shape[:-1], n) if kernels.silu_mul(rows, out) else None
 
 
 # An operator of our own (as packed_linear.py's), so that the compiled layers call the C
@@ -78,22 +65,12 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 fused_silu_mul = torch.ops.kvserve.silu_mul.default
 
 
-# SiLU x up fused into the gate_up projection itself (csrc/linear_amx.c or linear_dot.c,
+# SiLU x up fused into the gate_up projection itself (csrc/linear/linear_amx.c or linear_dot.c,
 # silu_gate_up_bf16_packed): each thread multiplies the gate and up blocks it computed, so
 # no [rows, 2 x features] tensor is written and read back across the cores.
 _LIBRARY.define(
     "packed_silu_gate_up(Tensor x, Tensor packed_weight, int features, int kernel_rows) -> Tensor"
 )
-
-
-@functools.cache
-def _gate_up_kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernel_function
-
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return kernel_function(
-        "silu_gate_up_bf16_packed", [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    )
 
 
 def _packed_silu_gate_up(
@@ -103,14 +80,11 @@ def _packed_silu_gate_up(
     one call of the projection kernel, else oneDNN's projection and the SiLU kernel."""
 
     def compute(rows: torch.Tensor) -> torch.Tensor:  # [M, in], M bucketed
-        kernel = _gate_up_kernel() if rows.shape[0] <= kernel_rows and rows.stride(1) == 1 else None
-        if kernel is not None:
+        fits = rows.shape[0] <= kernel_rows and rows.stride(1) == 1
+        kernels = ops.kernels_or_none() if fits else None
+        if kernels is not None:
             out = rows.new_empty((rows.shape[0], features))
-            if not kernel(
-                rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
-                out.data_ptr(), features, rows.shape[0], features, rows.shape[1],
-                torch.get_num_threads(),
-            ):  # fmt: skip
+            if kernels.silu_gate_up_packed(rows, packed_weight, out):
                 return out
         gate_up = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, None, "none", [], "")
         # Through the operator (not _silu_mul): the profiler then tells this step's SiLU from

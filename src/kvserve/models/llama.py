@@ -2,7 +2,8 @@
 
 GQA, RoPE (default / linear / llama3 scaling), optional QKV bias, tied or untied embeddings.
 The model owns weights only: the KV cache tensors, the attention metadata and the backend are
-passed into ``forward`` explicitly each step.
+passed into ``forward`` explicitly each step, and so is a decode step's DecodeStepPlan where the
+runner asked the backend for one (the model runs its layers in one native call with it).
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata
+from kvserve.attention.base import AttentionBackend, AttentionMetadata, DecodeStepPlan
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
@@ -35,9 +35,6 @@ from kvserve.models.packed_linear import (
     pack_linear_layers,
     padded_rows,
 )
-
-if TYPE_CHECKING:
-    from kvserve.attention.cpu_paged import DecodeStepPlan
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -215,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = compiled_kernels()
 
     def use_native_layers(self) -> bool:
-        """Run every step's layers through csrc/decode_layer.c from now on (the compiled
-        layers' values, without their per-layer overhead); False where it cannot serve them."""
+        """Run every step's layers through native/csrc/layer/decode_layer.c from now on (the
+        compiled layers' values, without their per-layer overhead); False where it cannot
+        serve them."""
         self.native_layers = NativeLayers.build(self.layers)
         return self.native_layers is not None
 
@@ -257,6 +255,21 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_layers(self.layers)
         self.pads_rows = True
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' and activations' dtype."""
+        return self.embed_tokens.weight.dtype
+
+    def wants_decode_plan(self) -> bool:
+        """Whether `forward` runs a decode-only step's layers in one native call when given the
+        step's DecodeStepPlan: native layers of one shape, and no profiler on (its breakdown
+        needs the per-layer calls' ranges, attention apart from the layers).  The runner asks
+        the backend for a plan only then."""
+        native = self.native_layers
+        if native is None or not native.runs_whole_steps:
+            return False
+        return not getattr(torch.autograd.profiler, "_is_profiler_enabled", False)  # torch's
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -264,7 +277,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKVCache],
         metadata: AttentionMetadata,
         backend: AttentionBackend,
+        decode_plan: DecodeStepPlan | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """`decode_plan` (a decode-only step's, from backend.plan_decode_step): every layer,
+        attention included, in one native call where the native layers serve the step."""
         num_tokens = input_ids.shape[0]
         input_ids, positions = self._padded(input_ids), self._padded(positions)
         hidden = self.embed_tokens(input_ids)
@@ -273,9 +289,8 @@ class LlamaForCausalLM(nn.Module):
         kernels, layers = self.kernels, self.layers
         if self.native_layers is not None and self.native_layers.serves(hidden.shape[0]):
             kernels = self.native_layers
-            plan = self._whole_step_plan(kv_caches, metadata, backend, hidden.dtype)
-            if plan is not None:
-                hidden = kernels.run_step(layers, hidden, cos, sin, num_tokens, plan)
+            if decode_plan is not None and self.wants_decode_plan():
+                hidden = kernels.run_step(layers, hidden, cos, sin, num_tokens, decode_plan)
                 return self.norm(hidden)[:num_tokens]
         q, k, v = kernels.pre_attention(layers[0], hidden, cos, sin)
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
@@ -288,25 +303,6 @@ class LlamaForCausalLM(nn.Module):
                     layer, layers[index + 1], hidden, attn, cos, sin
                 )
         return self.norm(kernels.post_attention(layers[-1], hidden, attn))[:num_tokens]
-
-    def _whole_step_plan(
-        self,
-        kv_caches: list[LayerKVCache],
-        metadata: AttentionMetadata,
-        backend: AttentionBackend,
-        dtype: torch.dtype,
-    ) -> DecodeStepPlan | None:
-        """The attention's arguments for running this step's layers in one native call, or
-        None: the backend has no such plan for it (cpu_paged.decode_step_plan: decodes only),
-        the layers differ in shape, or a profiler is on (its breakdown needs the per-layer
-        calls' ranges, attention apart from the layers)."""
-        native = self.native_layers
-        plan_for = getattr(backend, "decode_step_plan", None)
-        if native is None or not native.runs_whole_steps or plan_for is None:
-            return None
-        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):  # torch's flag
-            return None
-        return plan_for(kv_caches, metadata, dtype, self.config.num_heads)
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's token ids or positions [T], followed by zeros up to the row count that

@@ -1,4 +1,5 @@
-"""The layers' work between attentions through csrc/decode_layer.c: one C call per layer.
+"""The layers' work between attentions through native/csrc/layer/decode_layer.c: one C call
+per layer.
 
 Through torch.compile the same work costs ~0.35 ms a layer more than its projections alone
 (Dynamo's guards, the compiled region's wrappers, the custom ops' dispatch and Python,
@@ -16,76 +17,36 @@ LlamaForCausalLM.forward calls it in their place.  On the AMD EPYC without AMX i
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
+from kvserve.attention.base import DecodeStepPlan
 from kvserve.models.packed_linear import KERNEL_ALL_ROWS, PackedLinear, packed_block_cols
-
-if TYPE_CHECKING:
-    from kvserve.attention.cpu_paged import DecodeStepPlan
-
-logger = logging.getLogger("kvserve")
+from kvserve.native import ops
+from kvserve.native.structs import DecodeLayer
 
 # The profiler range of each call (benchmarks/profile_offline.py reports it on its own).
 PROFILE_RANGE = "kvserve::native_layers"
-_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 
 
-class _Layer(ctypes.Structure):
-    """csrc/decode_layer.c's decode_layer: one layer's weight pointers and shape."""
-
-    _fields_ = [*((name, ctypes.c_void_p) for name in _WEIGHTS),
-                ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
-                ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
-                ("head_dim", ctypes.c_int32), ("eps", ctypes.c_float)]  # fmt: skip
-
-
-@functools.cache
-def _functions() -> dict[str, Callable[..., int]] | None:
-    """The library's decode_layer functions with their argument types, or None where the
-    library cannot be built or has no build of them (no AVX512-BF16)."""
-    from kvserve.attention.cpu_kernels import kernel_function
-
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    available = kernel_function("decode_layer_available", [])
-    if available is None or not available():
-        return None
-    work = kernel_function("decode_layer_work_bytes", [ptr, i64])
-    work.restype = i64  # type: ignore[union-attr]
-    return {
-        "work_bytes": work,
-        "pre": kernel_function("decode_pre_attention", [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                                        ptr, i32]),
-        "between": kernel_function("decode_between_attentions", [ptr, ptr, ptr, ptr, i64, i64,
-                                                                 ptr, ptr, ptr, ptr, ptr, ptr,
-                                                                 i32]),
-        "post": kernel_function("decode_post_attention", [ptr, ptr, ptr, i64, i64, ptr, i32]),
-        "step": kernel_function("decode_step_layers", [ptr, ptr, i32, ptr, i64, i64, ptr, ptr,
-                                                       ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr,
-                                                       ptr, i32, i32, ctypes.c_float, ptr, i32,
-                                                       ptr, ptr, i32]),
-    }  # type: ignore[dict-item]  # fmt: skip
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
+def native_kernels() -> ops.Kernels | None:
+    """The native library where it has the decode layer kernels (a build with a projection
+    kernel: AVX512-BF16 or AMX), else None."""
+    kernels = ops.kernels_or_none()
+    return kernels if kernels is not None and kernels.has_decode_layers() else None
 
 
 def _packed_pointer(linear: nn.Module) -> int:
     return torch.ops.mkldnn.data_ptr(linear.packed_weight)
 
 
-def _describe(layer: nn.Module) -> _Layer:
+def _describe(layer: nn.Module) -> DecodeLayer:
     """The C description of one DecoderLayer (its tensors must outlive it: the layer's own)."""
     qkv_bias = layer.qkv_proj.bias
-    return _Layer(
+    return DecodeLayer(
         input_norm=layer.input_layernorm.weight.data_ptr(),
         qkv=_packed_pointer(layer.qkv_proj),
         qkv_bias=None if qkv_bias is None else qkv_bias.data_ptr(),
@@ -128,13 +89,11 @@ class NativeLayers:
     """LayerKernels' pre_attention / between_attentions / post_attention in C, for every step
     (the padded row counts that `serves` accepts)."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
-        functions = _functions()
-        assert functions is not None
-        self._call = functions
+    def __init__(self, layers: Sequence[nn.Module], kernels: ops.Kernels) -> None:
+        self._kernels = kernels
         self._layers = {id(layer): _describe(layer) for layer in layers}
-        # The same descriptions in the layers' order, contiguous, for decode_step_layers.
-        self._all_layers = (_Layer * len(layers))(*(self._layers[id(x)] for x in layers))
+        # The same descriptions in the layers' order, contiguous, for decode_step.
+        self._all_layers = kernels.decode_layers([self._layers[id(x)] for x in layers])
         # decode_step_layers sizes its buffers and reads V by the first layer's shape.
         shapes = {(d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim)
                   for d in self._all_layers}  # fmt: skip
@@ -146,52 +105,50 @@ class NativeLayers:
         not packed in bfloat16, shapes the C code does not take)."""
         if not layers or not all(_runs_natively(layer) for layer in layers):
             return None
-        if _functions() is None:  # the layers first: no library on a GPU
-            return None
-        return cls(layers)
+        kernels = native_kernels()  # the layers first: no library on a GPU
+        return None if kernels is None else cls(layers, kernels)
 
     @staticmethod
     def serves(num_rows: int) -> bool:
         """A step of `num_rows` rows (padded: packed_linear.padded_rows) runs here."""
         return num_rows % 16 == 0
 
+    @staticmethod
     def _outputs(
-        self, layer: nn.Module, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fresh q, k, qkv and scratch tensors for `layer` at hidden's row count."""
+        layer: nn.Module, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh q, k and qkv tensors for `layer` at hidden's row count."""
         rows, dim = hidden.shape[0], layer.head_dim
         q = hidden.new_empty((rows, layer.num_heads, dim))
         k = hidden.new_empty((rows, layer.num_kv_heads, dim))
         qkv = hidden.new_empty((rows, (layer.num_heads + 2 * layer.num_kv_heads) * dim))
-        work_bytes = self._call["work_bytes"](self._layer(layer), rows)
-        return q, k, qkv, torch.empty(work_bytes, dtype=torch.uint8)
+        return q, k, qkv
 
     @staticmethod
     def _value(layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:
         start = (layer.num_heads + layer.num_kv_heads) * layer.head_dim
         return qkv[:, start:].view(qkv.shape[0], layer.num_kv_heads, layer.head_dim)
 
-    def _run(self, name: str, *args: object) -> None:
-        """One C call (the thread count appended), as a profiler range of its own."""
+    @staticmethod
+    def _run(call: Callable[..., bool], *args: object) -> None:
+        """One C call, as a profiler range of its own."""
         with record_function(PROFILE_RANGE):
-            failed = self._call[name](*args, torch.get_num_threads())
-        if failed:
+            done = call(*args)
+        if not done:
             raise RuntimeError(
                 "the native decode kernels failed: a projection declined its shapes, or the "
                 "attention had no memory for its buffers"
             )
 
-    def _layer(self, layer: nn.Module) -> ctypes._CArgObject:
-        return ctypes.byref(self._layers[id(layer)])
+    def _layer(self, layer: nn.Module) -> DecodeLayer:
+        return self._layers[id(layer)]
 
     def pre_attention(
         self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, qkv, work = self._outputs(layer, hidden)
-        self._run(
-            "pre", self._layer(layer), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
-            sin.data_ptr(), q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
-        )  # fmt: skip
+        q, k, qkv = self._outputs(layer, hidden)
+        self._run(self._kernels.decode_pre_attention, self._layer(layer), hidden, cos, sin, q, k,
+                  qkv)  # fmt: skip
         return q, k, self._value(layer, qkv)
 
     def between_attentions(
@@ -205,12 +162,9 @@ class NativeLayers:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """As llama.between_attentions; `hidden` is updated in place and returned."""
         attn = attn.to(hidden.dtype).contiguous()
-        q, k, qkv, work = self._outputs(next_layer, hidden)
-        self._run(
-            "between", self._layer(layer), self._layer(next_layer), hidden.data_ptr(),
-            attn.data_ptr(), attn.shape[0], hidden.shape[0], cos.data_ptr(), sin.data_ptr(),
-            q.data_ptr(), k.data_ptr(), qkv.data_ptr(), work.data_ptr(),
-        )  # fmt: skip
+        q, k, qkv = self._outputs(next_layer, hidden)
+        self._run(self._kernels.decode_between_attentions, self._layer(layer),
+                  self._layer(next_layer), hidden, attn, cos, sin, q, k, qkv)  # fmt: skip
         return hidden, q, k, self._value(next_layer, qkv)
 
     def post_attention(
@@ -218,12 +172,7 @@ class NativeLayers:
     ) -> torch.Tensor:
         """As llama.post_attention; `hidden` is updated in place and returned."""
         attn = attn.to(hidden.dtype).contiguous()
-        work_bytes = self._call["work_bytes"](self._layer(layer), hidden.shape[0])
-        work = torch.empty(work_bytes, dtype=torch.uint8)
-        self._run(
-            "post", self._layer(layer), hidden.data_ptr(), attn.data_ptr(), attn.shape[0],
-            hidden.shape[0], work.data_ptr(),
-        )  # fmt: skip
+        self._run(self._kernels.decode_post_attention, self._layer(layer), hidden, attn)
         return hidden
 
     def run_step(
@@ -236,20 +185,17 @@ class NativeLayers:
         plan: DecodeStepPlan,
     ) -> torch.Tensor:
         """Every layer of a decode step, attention included, in one C call (decode_step_layers
-        in csrc/decode_layer.c): the per-layer calls' values bit for bit, without the Python
-        between them.  `layers` must be the ones this object was built for, in order;
-        `hidden` is updated in place and returned (before the final norm)."""
+        in native/csrc/layer/decode_layer.c): the per-layer calls' values bit for bit, without
+        the Python between them.  `layers` must be the ones this object was built for, in
+        order; `hidden` is updated in place and returned (before the final norm)."""
         if len(layers) != len(self._all_layers) or not self.runs_whole_steps:
             raise ValueError("run_step takes all the layers it was built for, of one shape")
         first = layers[0]
-        q, k, qkv, work = self._outputs(first, hidden)
+        q, k, qkv = self._outputs(first, hidden)
         attn = hidden.new_empty((num_tokens, first.num_heads * first.head_dim))
         self._run(
-            "step", self._all_layers, plan.caches, len(self._all_layers), hidden.data_ptr(),
-            num_tokens, hidden.shape[0], cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-            k.data_ptr(), qkv.data_ptr(), attn.data_ptr(), work.data_ptr(), plan.kind,
-            plan.tables.data_ptr(), plan.seq_lens.data_ptr(), plan.slots.data_ptr(),
-            plan.tables.shape[1], plan.block_size, first.scale, _pointer(plan.prefix_table),
-            plan.prefix_blocks, _pointer(plan.prior_out), _pointer(plan.prior_lse),
+            self._kernels.decode_step, self._all_layers, plan.kv_caches, hidden, cos, sin, q, k,
+            qkv, attn, plan.tables, plan.seq_lens, plan.slots, first.scale,
+            plan.prefix_table if plan.prefix_blocks else None, plan.prior_out, plan.prior_lse,
         )  # fmt: skip
         return hidden

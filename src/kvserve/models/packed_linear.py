@@ -10,7 +10,6 @@ packed op returns the same values as `F.linear` (checked in tests/model/test_fas
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import sys
@@ -18,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from kvserve.native import ops
 
 logger = logging.getLogger("kvserve")
 
@@ -130,17 +131,13 @@ def _linear_rows(
 def _kernel_linear(
     rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor | None:
-    """csrc/linear_amx.c over oneDNN's packed weight, or None where it declines."""
-    kernel = _linear_kernel()
-    if kernel is None:
+    """The native projection kernel (native/csrc/linear/linear_amx.c, or linear_dot.c) over
+    oneDNN's packed weight, or None where it declines."""
+    kernels = ops.kernels_or_none()
+    if kernels is None:
         return None
     out = rows.new_empty((rows.shape[0], out_features))
-    failed = kernel(
-        rows.data_ptr(), rows.stride(0), torch.ops.mkldnn.data_ptr(packed_weight),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-        rows.shape[0], out_features, rows.shape[1], torch.get_num_threads(),
-    )  # fmt: skip
-    return None if failed else out
+    return out if kernels.linear_packed(rows, packed_weight, bias, out) else None
 
 
 def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
@@ -154,24 +151,12 @@ def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 @functools.cache
-def _linear_kernel() -> Callable[..., int] | None:
-    from kvserve.attention.cpu_kernels import kernel_function
-
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return kernel_function(
-        "linear_bf16_packed", [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    )
-
-
-@functools.cache
 def packed_block_cols() -> int:
     """The column block of the layout the projection kernels read (oneDNN packs a bf16 weight
     in blocks of 32 columns for AMX, 64 for AVX512-BF16 without it), 0 where there are none.
     silu_gate_up splits its weight [Wg; Wu] at a block: features must be a multiple."""
-    from kvserve.attention.cpu_kernels import kernel_function
-
-    block_cols = kernel_function("linear_packed_block_cols", [])
-    return 0 if block_cols is None else block_cols()
+    kernels = ops.kernels_or_none()
+    return 0 if kernels is None else kernels.packed_block_cols()
 
 
 def logits_kernel_max_rows() -> int:
@@ -184,10 +169,10 @@ def logits_kernel_max_rows() -> int:
 
 def kernel_rows_for(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> int:
     """Up to how many rows this packed weight goes through the library's projection kernel
-    (csrc/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it): KERNEL_ALL_ROWS where
+    (csrc/linear/linear_amx.c on AMX, linear_dot.c on AVX512-BF16 without it): KERNEL_ALL_ROWS where
     the kernel runs and reads oneDNN's layout of this weight correctly (checked on 16 random
     rows against oneDNN itself: another oneDNN version or CPU may pack differently), else 0."""
-    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or _linear_kernel() is None:
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not ops.available():
         return 0
     rows = torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(0))
     rows = rows.to(torch.bfloat16)

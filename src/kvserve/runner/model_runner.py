@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvserve.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeStepPlan,
+    PrefillSpan,
+)
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
@@ -208,8 +213,9 @@ class ModelRunner:
         if hidden is None:
             metadata = build_attention_metadata(batch, self.block_size)
             hidden = self.model(
-                batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend
-            )
+                batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend,
+                decode_plan=self._decode_plan(metadata),
+            )  # fmt: skip
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput({})
@@ -220,6 +226,16 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _decode_plan(self, metadata: AttentionMetadata) -> DecodeStepPlan | None:
+        """A decode-only step's attention as data, where the model runs such a step's layers
+        in one native call and the backend can plan it (attention/base.py); else None."""
+        if metadata.prefills or not self.model.wants_decode_plan():
+            return None
+        config = self.model.config
+        return self.backend.plan_decode_step(
+            self.kv_caches, metadata, self.model.dtype, config.num_heads
+        )
 
     def _run_graph(self, batch: BatchInput) -> torch.Tensor | None:
         """Hidden states of a decode-only step through its CUDA graph; None: run eagerly."""

@@ -10,7 +10,8 @@ CPU `exponential_` took 135 ms for 128 rows, more than the decode step it sample
 top-p and min-p are floors on the softmax's probabilities, found by selection (on counts for
 top-k, on mass for top-p), not by sorting the vocabulary (277 ms at [128, 49,152]), and the
 draw applies them as it walks a row: nothing is masked and renormalized first.  On a CPU the
-selections and the draw are C passes over each row (csrc/sample_rows.c); elsewhere torch ops.
+selections and the draw are C passes over each row (native/csrc/sampling/); elsewhere
+torch ops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.native import ops
 from kvserve.request import SamplingParams
 
 
@@ -101,20 +103,19 @@ def sample(
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum (the first on a tie, the first NaN if any, as torch).  On a
-    CPU through csrc/argmax_rows.c (float32 or bfloat16 rows, ~10x faster than torch at
+    CPU through csrc/sampling/argmax_rows.c (float32 or bfloat16 rows, ~10x faster than torch at
     [128, 49,152]); elsewhere `max(dim).indices`, the same result 3-4x faster than `argmax`
     on a CPU, where argmax is not vectorized."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ARGMAX_KINDS and x.numel():
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ARGMAX_DTYPES and x.numel():
         kernel = _sample_kernels().argmax
         if kernel is not None and x.stride(1) == 1:
             out = torch.empty(x.shape[0], dtype=torch.int64)
-            kernel(x.data_ptr(), _ARGMAX_KINDS[x.dtype], x.shape[0], x.shape[1], x.stride(0),
-                   out.data_ptr(), torch.get_num_threads())  # fmt: skip
+            kernel(x, out)
             return out
     return x.max(dim=-1).indices
 
 
-_ARGMAX_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -159,7 +160,7 @@ def _floored(probs: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 def _top_k_floor(probs: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k-th largest probability (a floor: ties with it are kept) and the mass at or
     above it; 0 and 1 for rows whose top_k is the vocabulary size.  On a CPU by selection in C
-    (csrc/sample_rows.c; `topk` and a masking of the logits took ~10 ms at [128, 49,152]);
+    (csrc/sampling/sample_rows.c; `topk` and a masking of the logits took ~10 ms at [128, 49,152]);
     elsewhere `topk` to the largest k asked for, not a sort."""
     kernel = _sample_kernels().top_k if probs.device.type == "cpu" else None
     if kernel is not None:
@@ -167,11 +168,7 @@ def _top_k_floor(probs: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor
         top_k = top_k.to(torch.int64).contiguous()
         floor = torch.empty(probs.shape[0], dtype=torch.float32)
         kept = torch.empty(probs.shape[0], dtype=torch.float32)
-        failed = kernel(
-            probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), top_k.data_ptr(),
-            floor.data_ptr(), kept.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if not failed:
+        if kernel(probs, top_k, floor, kept):
             return floor, kept
     filtered = top_k < probs.shape[1]
     largest_k = int(top_k[filtered].max())
@@ -192,21 +189,16 @@ def _top_p_floor(
 ) -> torch.Tensor:
     """Each row's nucleus threshold: the probability of the least likely token of the
     smallest set of most likely tokens whose mass reaches top_p (0 where top_p >= 1).  On a
-    CPU by selection in C (csrc/sample_rows.c, no sort), among the probabilities at or above
-    `within` (the top-k floor, which holds the nucleus) where given; elsewhere by `topk` over
-    widening candidates."""
+    CPU by selection in C (csrc/sampling/sample_rows.c, no sort), among the probabilities at
+    or above `within` (the top-k floor, which holds the nucleus) where given; elsewhere by
+    `topk` over widening candidates."""
     kernel = _sample_kernels().top_p if probs.device.type == "cpu" else None
     if kernel is not None:
         probs = probs.contiguous()
         top_p = top_p.to(torch.float32).contiguous()
         within = None if within is None else within.to(torch.float32).contiguous()
         floor = torch.empty(probs.shape[0], dtype=torch.float32)
-        failed = kernel(
-            probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), top_p.data_ptr(),
-            None if within is None else within.data_ptr(), floor.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if not failed:
+        if kernel(probs, top_p, within, floor):
             return floor
     floor = torch.zeros_like(top_p, dtype=probs.dtype)
     rows = (top_p < 1.0).nonzero().flatten()
@@ -221,20 +213,18 @@ def _top_p_floor(
 
 
 class SampleKernels(NamedTuple):
-    """The sampler's C entry points (csrc/sample_rows.c, csrc/argmax_rows.c), each None
-    without the kernel library."""
+    """The sampler's native entry points (ops.Kernels' sampling part), each None without the
+    native library."""
 
-    top_p: Callable[..., int] | None
-    draw: Callable[..., int] | None
-    top_k: Callable[..., int] | None
-    argmax: Callable[..., int] | None
+    top_p: Callable[..., bool] | None
+    draw: Callable[..., bool] | None
+    top_k: Callable[..., bool] | None
+    argmax: Callable[..., None] | None
 
 
 @functools.cache
 def _sample_kernels() -> SampleKernels:
-    from kvserve.attention.cpu_kernels import kernels_or_none
-
-    kernels = kernels_or_none()
+    kernels = ops.kernels_or_none()
     if kernels is None:
         return SampleKernels(None, None, None, None)
     return SampleKernels(
@@ -271,18 +261,13 @@ def _uniforms(
 
 def _draw(probs: torch.Tensor, floor: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
     """Each row's token at its uniform draw (`_inverse_cdf`), probabilities below the row's
-    floor counting as 0: on a CPU one pass over the row in C (csrc/sample_rows.c)."""
+    floor counting as 0: on a CPU one pass over the row in C (csrc/sampling/sample_rows.c)."""
     kernel = _sample_kernels().draw if probs.device.type == "cpu" else None
     if kernel is not None and probs.dtype == torch.float32:
         probs = probs.contiguous()
         floor = None if floor is None else floor.to(torch.float32).contiguous()
         ids = torch.empty(probs.shape[0], dtype=torch.int64)
-        failed = kernel(
-            probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0),
-            None if floor is None else floor.data_ptr(), uniforms.contiguous().data_ptr(),
-            ids.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if not failed:
+        if kernel(probs, floor, uniforms.contiguous(), ids):
             return ids
     return _inverse_cdf(probs if floor is None else _floored(probs, floor), uniforms)
 

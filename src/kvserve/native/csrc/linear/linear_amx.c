@@ -24,14 +24,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "entry_points.h"
+#include "linear/linear.h"
 
 #if KVSERVE_LINEAR_AMX
 #include <immintrin.h>
 #include <omp.h>
-#include "amx_tiles.h"
-#include "block_runs.h"
-#include "vec_exp.h"
+#include "common/amx_tiles.h"
+#include "linear/block_runs.h"
+#include "common/vec_exp.h"
 
 /* Measured at 16-64 rows: 4 k-steps ahead (8 KB) gained up to 8% at 32 rows; 8 or more lost. */
 #define PREFETCH_AHEAD 4

@@ -6,18 +6,20 @@
  * for the maximum and once (from L2) for its first index: the same index as torch (the first
  * on a tie, the first NaN when a row has one).
  *
- *   x      [rows, cols] at x + r * row_stride elements; kind 0 float32, 1 bfloat16
+ *   x      [rows, cols] at x + r * row_stride elements; kind KV_F32 or KV_BF16 (common/kinds.h)
  *   out    [rows] int64
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "common/kinds.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 static inline float value_at(const void *x, int kind, int64_t i) {
-    if (kind == 0) return ((const float *)x)[i];
+    if (kind == KV_F32) return ((const float *)x)[i];
     uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -40,7 +42,7 @@ static int64_t argmax_scalar(const void *x, int kind, int64_t cols) {
 
 #ifdef __AVX512F__
 static inline __m512 load16(const void *x, int kind, int64_t j) {
-    if (kind == 0) return _mm512_loadu_ps((const float *)x + j);
+    if (kind == KV_F32) return _mm512_loadu_ps((const float *)x + j);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + j));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -79,7 +81,7 @@ static int64_t argmax_row(const void *x, int kind, int64_t cols) {
 
 int argmax_rows(const void *x, int kind, int64_t rows, int64_t cols, int64_t row_stride,
                 int64_t *out, int num_threads) {
-    const int64_t elem = kind == 0 ? 4 : 2;
+    const int64_t elem = kind == KV_F32 ? 4 : 2;
     #pragma omp parallel for num_threads(rows >= 4 ? num_threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         out[r] = argmax_row((const char *)x + r * row_stride * elem, kind, cols);

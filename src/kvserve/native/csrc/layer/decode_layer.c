@@ -27,20 +27,15 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "entry_points.h"
+#include "attention/attention.h"
+#include "common/kinds.h"
+#include "layer/layer.h"
+#include "linear/linear.h"
 
 #if (KVSERVE_LINEAR_AMX || KVSERVE_LINEAR_DOT) && defined(__linux__)
 #define DECODE_LAYER_BUILT 1
 #include <immintrin.h>
 #include <omp.h>
-
-/* One layer's weights (packed ones are oneDNN's layout, see linear_amx.c) and shape. */
-typedef struct {
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
-    int64_t hidden, intermediate;
-    int32_t num_heads, num_kv_heads, head_dim;
-    float eps;
-} decode_layer;
 
 static inline __m512 widen(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -205,7 +200,7 @@ int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_
  * spares is the Python between them, ~0.3 ms a layer (~8 of a 32-row step's ~45 ms).
  * caches[4 i .. 4 i + 3]: layer i's key and value cache ([blocks, block_size, Hkv, D], `kind`
  * storage) and their scales ([blocks, block_size, Hkv] float32; NULL for unscaled storage).
- * An 8-bit cache (kind 3, 5, 6) gets the step's new rows quantized and stored by
+ * An 8-bit cache (KV_I8, KV_E4M3, KV_E5M2) gets the step's new rows quantized and stored by
  * kv_quantize.c's kv_quantize_store (the per-layer path's own store, so the same codes) before
  * its attention; a bf16 cache has the decode kernel store them.  attn [m, Hq * D] bf16.
  * A shared prefix (prefix_blocks > 0, every sequence's first blocks, listed in prefix_table):
@@ -216,47 +211,70 @@ int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_
  * (bf16 caches only: the prefix kernel reads bf16 rows).
  * Returns 0, or 1 where a projection declined its shapes or an attention ran out of memory
  * (nothing of the step is usable). */
-int decode_step_layers(const decode_layer *layers, void *const *caches, int num_layers,
-                       uint16_t *hidden, int64_t m, int64_t mp, const uint16_t *cos,
-                       const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *qkv,
-                       uint16_t *attn, void *work, int kind, const int64_t *block_tables,
-                       const int64_t *seq_lens, const int64_t *slots, int max_blocks,
-                       int block_size, float sm_scale, const int64_t *prefix_table,
-                       int prefix_blocks, float *prior_out, float *prior_lse, int threads) {
+int decode_step_layers(const decode_step_args *args) {
+    /* The arguments under the names (and types) they had as parameters. */
+    const decode_layer *layers = args->layers;
+    void *const *caches = args->caches;
+    int num_layers = args->num_layers;
+    uint16_t *hidden = args->hidden;
+    int64_t m = args->m, mp = args->mp;
+    const uint16_t *cos = args->cos, *sin = args->sin;
+    uint16_t *q = args->q, *k = args->k, *qkv = args->qkv, *attn = args->attn;
+    void *work = args->work;
+    int kind = args->kind;
+    const int64_t *block_tables = args->block_tables, *seq_lens = args->seq_lens;
+    const int64_t *slots = args->slots;
+    int max_blocks = args->max_blocks, block_size = args->block_size;
+    float sm_scale = args->sm_scale;
+    const int64_t *prefix_table = args->prefix_table;
+    int prefix_blocks = args->prefix_blocks;
+    float *prior_out = args->prior_out, *prior_lse = args->prior_lse;
+    int threads = args->threads;
     const decode_layer *l = layers;
     const int64_t kv_row_bytes = (int64_t)l->num_kv_heads * l->head_dim * 2;
     const int64_t qkv_row_bytes = ((int64_t)l->num_heads + 2 * l->num_kv_heads) * l->head_dim * 2;
     const uint16_t *v = qkv + ((int64_t)l->num_heads + l->num_kv_heads) * l->head_dim;
     if (decode_pre_attention(l, hidden, mp, cos, sin, q, k, qkv, work, threads)) return 1;
     const int64_t q_row = (int64_t)l->num_heads * l->head_dim;
-    const int shared = prefix_blocks > 0, quantized = kind == 3 || kind == 5 || kind == 6;
+    const int shared = prefix_blocks > 0;
+    const int quantized = kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2;
     const int64_t kv_row = (int64_t)l->num_kv_heads * l->head_dim;
     for (int i = 0; i < num_layers; i++) {
         l = layers + i;
         void *key = caches[4 * i], *value = caches[4 * i + 1];
         float *key_scale = caches[4 * i + 2], *value_scale = caches[4 * i + 3];
-        if (quantized) { /* bf16 (src kind 1) rows: k [m, Hkv, D]; v inside qkv's rows */
-            kv_quantize_store(k, 1, kv_row, key, key_scale, slots, (int)m, l->num_kv_heads,
+        if (quantized) { /* bf16 rows: k [m, Hkv, D]; v inside qkv's rows */
+            kv_quantize_store(k, KV_BF16, kv_row, key, key_scale, slots, (int)m, l->num_kv_heads,
                               l->head_dim, kind, threads);
-            kv_quantize_store(v, 1, qkv_row_bytes / 2, value, value_scale, slots, (int)m,
+            kv_quantize_store(v, KV_BF16, qkv_row_bytes / 2, value, value_scale, slots, (int)m,
                               l->num_kv_heads, l->head_dim, kind, threads);
         }
-        if (shared && prefill_attention_bf16(q, q_row, m * q_row, key,
-                                             kv_row_bytes / 2, 0, value,
-                                             kv_row_bytes / 2, 0, 1, m,
-                                             (int64_t)prefix_blocks * block_size, l->num_heads,
-                                             l->num_kv_heads, l->head_dim, sm_scale, 0, NULL,
-                                             prior_out, prior_lse, 0, threads, prefix_table,
-                                             prefix_blocks, block_size))
-            return 1;
-        if (paged_decode_attention(q, attn, key, value, key_scale, value_scale, NULL, kind,
-                                   block_tables + prefix_blocks, seq_lens, (int)m, max_blocks,
-                                   l->num_kv_heads, l->num_heads / l->num_kv_heads, l->head_dim,
-                                   block_size, sm_scale, threads, NULL, 1, quantized ? NULL : k,
-                                   quantized ? NULL : v, kv_row_bytes, qkv_row_bytes,
-                                   quantized ? NULL : slots, shared ? prior_out : NULL,
-                                   shared ? prior_lse : NULL))
-            return 1;
+        if (shared) { /* the shared prefix, attended once for all m queries */
+            const prefill_attention_args prefix = {
+                .q = q, .q_stride = q_row, .q_batch = m * q_row,
+                .k = key, .k_stride = kv_row_bytes / 2, .k_batch = 0,
+                .v = value, .v_stride = kv_row_bytes / 2, .v_batch = 0,
+                .num_seqs = 1, .num_query = m, .num_keys = (int64_t)prefix_blocks * block_size,
+                .num_heads = l->num_heads, .num_kv_heads = l->num_kv_heads, .dim = l->head_dim,
+                .scale = sm_scale, .causal = 0, .out_bf16 = NULL, .out_f32 = prior_out,
+                .lse = prior_lse, .engine = 0, .num_threads = threads, .kv_table = prefix_table,
+                .table_stride = prefix_blocks, .kv_block_size = block_size,
+            };
+            if (prefill_attention_bf16(&prefix)) return 1;
+        }
+        const paged_decode_args decode = {
+            .query = q, .out = attn, .key = key, .value = value,
+            .key_scale = key_scale, .value_scale = value_scale, .lut = NULL, .kind = kind,
+            .block_tables = block_tables + prefix_blocks, .seq_lens = seq_lens,
+            .num_seqs = (int)m, .max_blocks = max_blocks, .num_kv_heads = l->num_kv_heads,
+            .group = l->num_heads / l->num_kv_heads, .dim = l->head_dim,
+            .block_size = block_size, .sm_scale = sm_scale, .num_threads = threads, .lse = NULL,
+            .io_bf16 = 1, .new_key = quantized ? NULL : k, .new_value = quantized ? NULL : v,
+            .new_key_stride_bytes = kv_row_bytes, .new_value_stride_bytes = qkv_row_bytes,
+            .new_slots = quantized ? NULL : slots, .prior_out = shared ? prior_out : NULL,
+            .prior_lse = shared ? prior_lse : NULL,
+        };
+        if (paged_decode_attention(&decode)) return 1;
         int failed = i + 1 < num_layers
                          ? decode_between_attentions(l, l + 1, hidden, attn, m, mp, cos, sin, q,
                                                      k, qkv, work, threads)
@@ -268,7 +286,7 @@ int decode_step_layers(const decode_layer *layers, void *const *caches, int num_
 #else
 /* Neither projection kernel in this build: models/native_layers.py never calls these
  * (decode_layer_available). */
-int64_t decode_layer_work_bytes(const void *l, int64_t mp) { (void)l, (void)mp; return -1; }
+int64_t decode_layer_work_bytes(const decode_layer *l, int64_t mp) { (void)l, (void)mp; return -1; }
 #endif
 
 /* 1 where this build has the functions above. */

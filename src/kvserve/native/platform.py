@@ -1,9 +1,10 @@
-"""Device and dtype resolution, and the memory figures the KV sizing needs."""
+"""Device and dtype resolution, the memory figures the KV sizing needs, and where a CPU
+engine's threads run (the plan, and pinning through the native library's runtime part)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ import torch
 
 from kvserve.config import parse_cpu_list
 from kvserve.errors import ParameterError
+from kvserve.native import ops
+from kvserve.native.build import KernelBuildError
 
 CPU_DEFAULT_KV_BYTES = 4 * 1024**3  # vLLM's CPU backend default
 
@@ -205,16 +208,13 @@ def bind_compute_threads(plan: CpuThreadPlan | None) -> None:
     model) one thread per compute CPU; nothing for an unpinned plan."""
     if plan is None or not plan.pin:
         return
-    from kvserve.attention.cpu_kernels import KernelBuildError, load_paged_decode
-
-    cpus = (ctypes.c_int * len(plan.compute_cpus))(*plan.compute_cpus)
     try:
-        failed = load_paged_decode().bind_omp_threads(cpus, len(plan.compute_cpus))
-    except (KernelBuildError, OSError) as exc:
+        pinned = ops.kernels().bind_omp_threads(plan.compute_cpus)
+    except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
         raise ParameterError(
-            "--cpu-threads-bind", f"pinning needs the C kernel library, which failed: {exc}"
+            "--cpu-threads-bind", f"pinning needs the native library, which failed: {exc}"
         ) from exc
-    if failed:
+    if not pinned:
         raise ParameterError(
             "--cpu-threads-bind", f"could not pin compute threads to CPUs {plan.compute_cpus}"
         )

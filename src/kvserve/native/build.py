@@ -1,9 +1,10 @@
-"""Build and load kvserve's C kernels for the CPU (csrc/*.c) with the system C compiler.
+"""Build and load kvserve's native library (csrc/*/*.c) with the system C compiler.
 
-The kernel is compiled once per source version, compiler and instruction set into
+The library is compiled once per source version, compiler and instruction set into
 ~/.cache/kvserve/kernels (override with KVSERVE_CACHE_DIR), in about a second, and loaded with
 ctypes: no torch headers, no build step at install time.  When no compiler is found the build
-fails with a message and callers fall back to the reference backend.
+fails with a message and callers fall back to torch (ops.available()).  Its entry points are
+declared in ops.py, and only there.
 
 Loading a shared object runs its code, so the cache is treated as untrusted until checked: the
 directory is created 0700 and must be a real directory owned by this user; a library is loaded
@@ -25,7 +26,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 # Imported for its side effect: torch loads its OpenMP runtime (libgomp.so.1) before the
@@ -37,27 +38,27 @@ from kvserve.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
+CSRC = Path(__file__).parent / "csrc"
+# One directory per kind of entry point; common/ holds what several kinds include.
+SOURCES = tuple(
+    CSRC / name
     for name in (
-        "paged_decode.c",
-        "kv_quantize.c",
-        "omp_affinity.c",
-        "argmax_rows.c",
-        "sample_rows.c",
-        "silu_mul.c",
-        "prefill_bf16.c",
-        "linear_amx.c",
-        "linear_dot.c",
-        "decode_layer.c",
+        "attention/paged_decode.c",
+        "attention/prefill_bf16.c",
+        "attention/kv_quantize.c",
+        "linear/linear_amx.c",
+        "linear/linear_dot.c",
+        "layer/decode_layer.c",
+        "layer/silu_mul.c",
+        "sampling/argmax_rows.c",
+        "sampling/sample_rows.c",
+        "runtime/omp_affinity.c",
+        "runtime/abi.c",
     )
 )
 # Included by the sources: part of the library's identity (its cache name), not compiled alone.
-_HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("vec_exp.h", "amx_tiles.h", "entry_points.h", "block_runs.h")
-)
-_FLAGS = (
+HEADERS = tuple(sorted(CSRC.glob("*/*.h")))
+FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffp-contract=fast",
     # Let the dot products vectorize (reassociation) without -ffast-math's process-wide
     # flush-to-zero, which a shared library must not switch on.
@@ -66,7 +67,7 @@ _FLAGS = (
 
 
 class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded here."""
+    """The native library could not be compiled or loaded here."""
 
 
 def kernel_cache_dir() -> Path:
@@ -74,8 +75,9 @@ def kernel_cache_dir() -> Path:
 
 
 @functools.cache
-def load_paged_decode() -> ctypes.CDLL:
-    """The compiled paged-decode library (built on first use); KernelBuildError if impossible."""
+def load_library() -> ctypes.CDLL:
+    """The compiled library (built on first use); KernelBuildError if impossible.  Its
+    functions are undeclared: ops.kernels() declares them."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise KernelBuildError("no C compiler (gcc or cc) on PATH")
@@ -98,7 +100,7 @@ def load_kernel(directory: Path, compiler: str, features: str) -> ctypes.CDLL:
         if not _try_remove(path):
             directory, private = Path(tempfile.mkdtemp(prefix="kvserve-kernels-")), True
             path = directory / path.name
-    logger.info("compiling the CPU paged-attention kernel into %s", path)
+    logger.info("compiling the native library into %s", path)
     try:
         return _build_and_open(compiler, path)
     finally:
@@ -141,11 +143,13 @@ def _cpuinfo_features() -> str:
 
 
 def library_name(compiler: str, features: str) -> str:
-    """A content key: source, compiler, flags, machine type and ISA features."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS)))
-    digest.update(" ".join((compiler, *_FLAGS, platform.machine())).encode())
+    """A content key: sources and headers, compiler, flags, machine type and ISA features."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, platform.machine())).encode())
     digest.update(features.encode())
-    return f"paged_decode-{digest.hexdigest()[:16]}.so"
+    return f"kvserve_native-{digest.hexdigest()[:16]}.so"
 
 
 def _private_dir(directory: Path) -> tuple[Path, bool]:
@@ -216,81 +220,35 @@ def _build_and_open(compiler: str, target: Path) -> ctypes.CDLL:
 
 def _compile(compiler: str, output: Path) -> None:
     """The linker creates its output with the umask's mode: set 0700 (owner only)."""
-    cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(output), "-lm"]
+    cmd = compile_command(compiler, CSRC, SOURCES, output)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise KernelBuildError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
     os.chmod(output, 0o700)
 
 
+def compile_command(
+    compiler: str, root: Path, sources: Sequence[Path], output: Path, flags: Sequence[str] = FLAGS
+) -> list[str]:
+    """The compiler's command line for `sources` (includes are relative to `root`, the csrc
+    directory): benchmarks/kernel_ab.py builds another revision's sources with it."""
+    return [compiler, *flags, f"-I{root}", *map(str, sources), "-o", str(output), "-lm"]
+
+
 def _open(path: Path) -> ctypes.CDLL:
-    """dlopen and declare the entry point; OSError or AttributeError when it is not a library
-    with that symbol."""
+    """dlopen, and check that it is this library; OSError or AttributeError when it is not a
+    library with its entry point."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.paged_decode_attention
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr] * 7 + [i32] + [ptr] * 2 + [i32] * 6 + [f32, i32, ptr, i32]
-    fn.argtypes += [ptr, ptr, ctypes.c_int64, ctypes.c_int64, ptr]  # new K/V rows stored
-    fn.argtypes += [ptr, ptr]  # attention over other keys merged in
-    fn.restype = i32
-    lib.bind_omp_threads.argtypes, lib.bind_omp_threads.restype = [ptr, i32], i32
-    store = lib.kv_quantize_store
-    store.argtypes = [ptr, i32, ctypes.c_int64, ptr, ptr, ptr] + [i32] * 5
-    store.restype = i32
-    copy_store = lib.kv_copy_store
-    copy_store.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, ctypes.c_int64, i32]
-    copy_store.restype = i32
-    argmax = lib.argmax_rows
-    argmax.argtypes = [ptr, i32] + [ctypes.c_int64] * 3 + [ptr, i32]
-    argmax.restype = i32
-    top_p = lib.top_p_thresholds
-    top_p.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
-    top_p.restype = i32
-    top_k = lib.top_k_floors
-    top_k.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
-    top_k.restype = i32
-    draw = lib.draw_rows
-    draw.argtypes = [ptr] + [ctypes.c_int64] * 3 + [ptr, ptr, ptr, i32]
-    draw.restype = i32
-    silu_mul = lib.silu_mul_bf16
-    silu_mul.argtypes = [ptr, ctypes.c_int64, ptr] + [ctypes.c_int64] * 3 + [i32]
-    silu_mul.restype = i32
-    lib.paged_decode_use_amx.argtypes, lib.paged_decode_use_amx.restype = [i32], i32
+    lib.paged_decode_attention  # noqa: B018 - AttributeError where the symbol is missing
     return lib
 
 
-def use_amx_decode(on: bool) -> bool:
-    """Switch the decode kernel's AMX scores (bf16 caches, on by default where the CPU has
-    AMX) for tests and benchmarks that compare the two paths; returns whether AMX was on (always
-    False where the kernel was built without it)."""
-    return bool(load_paged_decode().paged_decode_use_amx(int(on)))
-
-
 @functools.cache
-def paged_decode_available() -> bool:
-    """True when the kernel builds and loads here (logs why not, once)."""
+def library_available() -> bool:
+    """True when the library builds and loads here (logs why not, once)."""
     try:
-        load_paged_decode()
+        load_library()
     except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU paged-attention kernel unavailable, using the reference: %s", exc)
+        logger.warning("native library unavailable, using torch's paths: %s", exc)
         return False
     return True
-
-
-def kernels_or_none() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot be built here (why is logged once): for
-    the callers that fall back to torch (K/V stores, the greedy argmax)."""
-    return load_paged_decode() if paged_decode_available() else None
-
-
-def kernel_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
-    """The library's function `name`, with its C argument types and an int result, or None
-    where the library cannot be built here or was built without it (some functions exist only
-    where the compiler targets their instructions, AMX for one)."""
-    kernels = kernels_or_none()
-    function = getattr(kernels, name, None) if kernels is not None else None
-    if function is None:
-        return None
-    function.restype = ctypes.c_int
-    function.argtypes = argtypes
-    return function

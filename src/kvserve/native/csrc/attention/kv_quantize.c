@@ -8,18 +8,19 @@
  * conversions as PyTorch's (torch.round for int8; c10's fp32 -> fp8 e4m3fn / e5m2 rounding).
  *
  *   x       [T, heads, dim] rows, row (t, h) at x + t * token_stride + h * dim elements,
- *           float32 or bfloat16 (src_kind 0 or 1, as enum kv_kind; float16 stays in torch)
+ *           float32 or bfloat16 (src_kind KV_F32 or KV_BF16; float16 stays in torch)
  *   cache   [slots, heads, dim] codes; scales [slots, heads] float32 (int8, e4m3) or NULL
- *   out_kind 3 int8, 5 fp8_e4m3 (per-row scale), 6 fp8_e5m2 (unscaled)
+ *   out_kind KV_I8, KV_E4M3 (per-row scale), KV_E5M2 (unscaled)
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "entry_points.h"
+#include "attention/attention.h"
+#include "common/kinds.h"
 
 static inline float widen(const void *x, int kind, int64_t i) {
-    if (kind == 0) return ((const float *)x)[i];
+    if (kind == KV_F32) return ((const float *)x)[i];
     uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16; /* bfloat16 */
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -50,7 +51,7 @@ static inline uint8_t to_fp8(float f, int mant_bits, int bias) {
 #define HAVE_AVX512_STORE 1
 
 static inline __m512 widen16(const void *x, int kind, int64_t i) {
-    if (kind == 0) return _mm512_loadu_ps((const float *)x + i);
+    if (kind == KV_F32) return _mm512_loadu_ps((const float *)x + i);
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -80,7 +81,7 @@ static inline __m128i to_fp8_16(__m512 v, int mant_bits, int bias) {
 static inline void store_row16(const void *x, int src_kind, int64_t src, uint8_t *dst, float *scale_out,
                                int dim, int out_kind, float limit) {
     __m512 scale = _mm512_set1_ps(1.0f);
-    if (out_kind != 6) {
+    if (out_kind != KV_E5M2) {
         __m512 amax = _mm512_setzero_ps();
         for (int d = 0; d < dim; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(widen16(x, src_kind, src + d)));
         float s = _mm512_reduce_max_ps(amax) / limit;
@@ -91,14 +92,14 @@ static inline void store_row16(const void *x, int src_kind, int64_t src, uint8_t
     __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit);
     for (int d = 0; d < dim; d += 16) {
         __m512 v = widen16(x, src_kind, src + d);
-        if (out_kind != 6) v = _mm512_div_ps(v, scale);
-        if (out_kind == 3) {
+        if (out_kind != KV_E5M2) v = _mm512_div_ps(v, scale);
+        if (out_kind == KV_I8) {
             v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
             _mm_storeu_si128((__m128i *)(dst + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
         } else {
             v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
-            _mm_storeu_si128((__m128i *)(dst + d), out_kind == 5 ? to_fp8_16(v, 3, 7) : to_fp8_16(v, 2, 15));
+            _mm_storeu_si128((__m128i *)(dst + d), out_kind == KV_E4M3 ? to_fp8_16(v, 3, 7) : to_fp8_16(v, 2, 15));
         }
     }
 }
@@ -109,7 +110,7 @@ static inline void store_row16(const void *x, int src_kind, int64_t src, uint8_t
 int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *cache,
                       float *scales, const int64_t *slots, int num_tokens, int heads, int dim,
                       int out_kind, int num_threads) {
-    const float limit = out_kind == 3 ? 127.0f : out_kind == 5 ? 448.0f : 57344.0f;
+    const float limit = out_kind == KV_I8 ? 127.0f : out_kind == KV_E4M3 ? 448.0f : 57344.0f;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int t = 0; t < num_tokens; t++) {
         for (int h = 0; h < heads; h++) {
@@ -123,7 +124,7 @@ int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *c
             }
 #endif
             float scale = 1.0f;
-            if (out_kind != 6) {
+            if (out_kind != KV_E5M2) {
                 float amax = 0.0f;
                 for (int d = 0; d < dim; d++) {
                     float a = fabsf(widen(x, src_kind, src + d));
@@ -135,14 +136,14 @@ int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *c
             }
             for (int d = 0; d < dim; d++) {
                 float v = widen(x, src_kind, src + d);
-                if (out_kind != 6) v = v / scale;
-                if (out_kind == 3) {
+                if (out_kind != KV_E5M2) v = v / scale;
+                if (out_kind == KV_I8) {
                     v = nearbyintf(v);
                     v = v > limit ? limit : v < -limit ? -limit : v;
                     ((int8_t *)cache)[dst + d] = (int8_t)v;
                 } else {
                     v = v > limit ? limit : v < -limit ? -limit : v;
-                    ((uint8_t *)cache)[dst + d] = out_kind == 5 ? to_fp8(v, 3, 7) : to_fp8(v, 2, 15);
+                    ((uint8_t *)cache)[dst + d] = out_kind == KV_E4M3 ? to_fp8(v, 3, 7) : to_fp8(v, 2, 15);
                 }
             }
         }

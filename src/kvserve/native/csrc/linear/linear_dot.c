@@ -30,14 +30,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "entry_points.h"
+#include "linear/linear.h"
 
 #if KVSERVE_LINEAR_DOT
 #include <immintrin.h>
 #include <omp.h>
 
-#include "block_runs.h"
-#include "vec_exp.h"
+#include "linear/block_runs.h"
+#include "common/vec_exp.h"
 
 #define BLOCK_COLS 64
 #define TILE_ROWS 6

@@ -18,7 +18,7 @@
     defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#include "vec_exp.h"
+#include "common/vec_exp.h"
 
 static inline __m512 widen_bf16(const uint16_t *p, __mmask16 live) {
     __m256i h = _mm256_maskz_loadu_epi16(live, p);

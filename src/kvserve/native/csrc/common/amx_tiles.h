@@ -1,9 +1,10 @@
 /*
- * AMX set-up shared by the kernels that use tiles (prefill_amx.c, linear_amx.c): the OS
- * permission, and one tile configuration, every tile 16 rows of 64 bytes (16 x 32 bf16
- * operands, 16 x 16 float32 accumulators).  A kernel configures the tiles in each of its
- * threads and releases them at its end: SDPA's flash kernel and oneDNN configure their own
- * before use (tests/unit/test_amx_prefill.py interleaves them).
+ * AMX set-up shared by the kernels that use tiles (attention/prefill_bf16.c,
+ * attention/decode_amx.h, linear/linear_amx.c): the OS permission, and one tile configuration,
+ * every tile 16 rows of 64 bytes (16 x 32 bf16 operands, 16 x 16 float32 accumulators).  A
+ * kernel configures the tiles in each of its threads and releases them at its end: SDPA's flash
+ * kernel and oneDNN configure their own before use (tests/unit/test_bf16_prefill.py
+ * interleaves them).
  * Include after <immintrin.h>, where __AMX_TILE__ is defined, on Linux.
  */
 #ifndef KVSERVE_AMX_TILES_H

@@ -12,6 +12,7 @@
  * follows) and sum per row, then P x V with the probabilities rounded to bfloat16, as the flash
  * kernel rounds them.  No running maxima, no rescaling.
  *
+ * The fields of prefill_attention_args (attention.h):
  *   q      [N, L, H, D] bf16: sequence n, token t, head h at q + n * q_batch + t * q_stride
  *          + h * D (elements); N sequences of one shape (W3's suffixes) in one call
  *   k, v   [N, S, Hkv, D] bf16: key j, KV head g at k + n * k_batch + j * k_stride + g * D;
@@ -35,17 +36,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "entry_points.h"
+#include "attention/attention.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define PREFILL_HAS_VECTORS 1
 #include <immintrin.h>
 #include <math.h>
 
-#include "vec_exp.h"
+#include "common/vec_exp.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define PREFILL_HAS_AMX 1
-#include "amx_tiles.h"
+#include "common/amx_tiles.h"
 #else
 #define PREFILL_HAS_AMX 0
 #endif
@@ -434,13 +435,21 @@ static void attend_block(const prefill_args *a, int64_t seq, int h, int64_t firs
 #define PREFILL_HAS_VECTORS 0
 #endif
 
-int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t q_batch,
-                           const uint16_t *k, int64_t k_stride, int64_t k_batch,
-                           const uint16_t *v, int64_t v_stride, int64_t v_batch, int64_t num_seqs,
-                           int64_t num_query, int64_t num_keys, int num_heads, int num_kv_heads,
-                           int dim, float scale, int causal, uint16_t *out_bf16, float *out_f32,
-                           float *lse, int engine, int num_threads, const int64_t *kv_table,
-                           int64_t table_stride, int64_t kv_block_size) {
+int prefill_attention_bf16(const prefill_attention_args *args) {
+    /* The arguments under the names (and types) they had as parameters. */
+    const uint16_t *q = args->q, *k = args->k, *v = args->v;
+    int64_t q_stride = args->q_stride, q_batch = args->q_batch;
+    int64_t k_stride = args->k_stride, k_batch = args->k_batch;
+    int64_t v_stride = args->v_stride, v_batch = args->v_batch;
+    int64_t num_seqs = args->num_seqs, num_query = args->num_query, num_keys = args->num_keys;
+    int num_heads = args->num_heads, num_kv_heads = args->num_kv_heads, dim = args->dim;
+    float scale = args->scale;
+    int causal = args->causal;
+    uint16_t *out_bf16 = args->out_bf16;
+    float *out_f32 = args->out_f32, *lse = args->lse;
+    int engine = args->engine, num_threads = args->num_threads;
+    const int64_t *kv_table = args->kv_table;
+    int64_t table_stride = args->table_stride, kv_block_size = args->kv_block_size;
 #if !PREFILL_HAS_VECTORS /* this build has no AVX512-BF16: the caller keeps SDPA */
     (void)engine, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride;
     (void)q_batch, (void)k_batch, (void)v_batch, (void)num_seqs;

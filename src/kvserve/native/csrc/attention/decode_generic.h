@@ -1,0 +1,264 @@
+/*
+ * paged_decode.c's path for any CPU: each cached row widened to float32 (8-bit rows scaled,
+ * fp8 through a 256-entry table), dot products and p x V on AVX2 + FMA where the build has
+ * them (scalar loops otherwise), an online softmax per block.  Every kind, every head size.
+ *
+ * A part of paged_decode.c, included once by it (one translation unit, so that the compiler
+ * sees and inlines the parts as it did when they were one file); not a header of its own.
+ */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: renormalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One cached row (head_dim values at element offset `row`) as float32 in dst, times scale. */
+static const float *load_row(const void *cache, int kind, int64_t row, int dim, float scale,
+                             const float *lut, float *dst) {
+    int d;
+    switch (kind) {
+    case KV_F32:
+        return (const float *)cache + row;
+    case KV_BF16: {
+        const uint16_t *src = (const uint16_t *)cache + row;
+        d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= dim; d += 16) { /* bf16 -> float32 is a 16-bit shift, 16 lanes */
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+        }
+#elif defined(__AVX2__)
+        for (; d + 8 <= dim; d += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + d)));
+            _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+#endif
+        for (; d < dim; d++) {
+            uint32_t bits = (uint32_t)src[d] << 16;
+            memcpy(&dst[d], &bits, sizeof(float));
+        }
+        return dst;
+    }
+    case KV_F16: {
+        const uint16_t *src = (const uint16_t *)cache + row;
+        d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= dim; d += 8)
+            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#endif
+        for (; d < dim; d++) dst[d] = half_to_float(src[d]);
+        return dst;
+    }
+    case KV_I8: {
+        const int8_t *src = (const int8_t *)cache + row;
+        for (d = 0; d < dim; d++) dst[d] = (float)src[d] * scale;
+        return dst;
+    }
+    default: { /* KV_E4M3, KV_E5M2: through the 256-entry table */
+        const uint8_t *src = (const uint8_t *)cache + row;
+        for (d = 0; d < dim; d++) dst[d] = lut[src[d]] * scale;
+        return dst;
+    }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* q . k over dim values. */
+static inline float dot(const float *restrict q, const float *restrict k, int dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    }
+    for (; d + 8 <= dim; d += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+    float total = hsum(_mm256_add_ps(a0, a1));
+    for (; d < dim; d++) total += q[d] * k[d];
+    return total;
+}
+
+/* out[o] = q . rows[o] for 8 rows at once: eight independent FMA chains, and one transposing
+ * reduction for all eight instead of eight horizontal sums.  dim % 8 == 0. */
+static inline void dot8(const float *restrict q, const float *const *rows, int dim,
+                        float *out) {
+    __m256 a[8];
+    for (int o = 0; o < 8; o++) a[o] = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int o = 0; o < 8; o++) a[o] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[o] + d), a[o]);
+    }
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* lanes: s0123 = [r0 r1 r2 r3 | r0 r1 r2 r3] halves, likewise s4567: add the halves. */
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+
+/* p[o] = exp(p[o] - shift); returns the sum. */
+static inline float exp_shifted(float *p, int count, float shift) {
+    __m256 total = _mm256_setzero_ps(), sv = _mm256_set1_ps(shift);
+    int o = 0;
+    for (; o + 8 <= count; o += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + o), sv));
+        _mm256_storeu_ps(p + o, v);
+        total = _mm256_add_ps(total, v);
+    }
+    float sum = hsum(total);
+    for (; o < count; o++) sum += (p[o] = expf(p[o] - shift));
+    return sum;
+}
+
+/* y[0:dim] += sum_o p[o] * rows[o][0:dim]; 16 lanes of y stay in registers across the rows. */
+static inline void weighted_sum(float *restrict y, const float *p, const float *const *rows,
+                                int count, int dim) {
+    int d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        __m256 a0 = _mm256_loadu_ps(y + d), a1 = _mm256_loadu_ps(y + d + 8);
+        for (int o = 0; o < count; o++) {
+            __m256 w = _mm256_set1_ps(p[o]);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[o] + d), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[o] + d + 8), a1);
+        }
+        _mm256_storeu_ps(y + d, a0);
+        _mm256_storeu_ps(y + d + 8, a1);
+    }
+    for (; d < dim; d++)
+        for (int o = 0; o < count; o++) y[d] += p[o] * rows[o][d];
+}
+#define HAVE_DOT8 1
+#else
+static inline float dot(const float *restrict q, const float *restrict k, int dim) {
+    float total = 0.0f;
+    for (int d = 0; d < dim; d++) total += q[d] * k[d];
+    return total;
+}
+
+static inline float exp_shifted(float *p, int count, float shift) {
+    float sum = 0.0f;
+    for (int o = 0; o < count; o++) sum += (p[o] = expf(p[o] - shift));
+    return sum;
+}
+
+static inline void weighted_sum(float *restrict y, const float *p, const float *const *rows,
+                                int count, int dim) {
+    for (int o = 0; o < count; o++)
+        for (int d = 0; d < dim; d++) y[d] += p[o] * rows[o][d];
+}
+#define HAVE_DOT8 0
+#endif
+
+/* scores[o] = q . rows[o] * sm_scale for o < count. */
+static inline void block_scores(const float *q, const float *const *rows, int count, int dim,
+                                float sm_scale, float *scores) {
+    int o = 0;
+#if HAVE_DOT8
+    if (dim % 8 == 0)
+        for (; o + 8 <= count; o += 8) dot8(q, rows + o, dim, scores + o);
+#endif
+    for (; o < count; o++) scores[o] = dot(q, rows[o], dim);
+    for (o = 0; o < count; o++) scores[o] *= sm_scale;
+}
+
+/* Ask for the next block's rows while this block is being used: the blocks of one sequence
+ * are scattered, so the hardware prefetcher cannot guess the next one. */
+#ifndef PREFETCH_STEP
+#define PREFETCH_STEP 64
+#endif
+static inline void prefetch_rows(const char *base, int64_t bytes) {
+    if (PREFETCH_STEP == 0) return;
+    for (int64_t off = 0; off < bytes; off += PREFETCH_STEP) __builtin_prefetch(base + off, 0, 2);
+}
+
+/* The rows of one block and KV head as float32: pointers into a float32 cache, converted
+ * copies in buf otherwise. */
+static inline void block_rows(const void *cache, const float *scales, int kind, const float *lut,
+                              int64_t first_slot, int count, int kv_head, int num_kv_heads,
+                              int dim, float *buf, const float **rows) {
+    for (int o = 0; o < count; o++) {
+        int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
+        float s = scales ? scales[idx] : 1.0f;
+        rows[o] = load_row(cache, kind, idx * dim, dim, s, lut, buf + (int64_t)o * dim);
+    }
+}
+
+/* One sequence, all its heads, one pass over its blocks with an online softmax.
+ * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
+static void attend_sequence(const float *q, float *out, const void *key, const void *value,
+                            const float *key_scale, const float *value_scale, const float *lut,
+                            int kind, int elem_bytes, const int64_t *table, int64_t seq_len,
+                            int num_kv_heads, int group, int dim, int block_size,
+                            float sm_scale, float *work, float *lse) {
+    const int num_heads = num_kv_heads * group;
+    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * dim * elem_bytes;
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    float *run_max = work, *run_sum = run_max + num_heads, *probs = run_sum + num_heads;
+    float *key_buf = probs + group * block_size, *value_buf = key_buf + block_size * dim;
+    const float *key_rows[block_size], *value_rows[block_size];
+    for (int head = 0; head < num_heads; head++) {
+        run_max[head] = -INFINITY;
+        run_sum[head] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) {
+            prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
+            prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
+        }
+        int64_t first_slot = table[b] * block_size;
+        int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                                : block_size);
+        for (int h = 0; h < num_kv_heads; h++) {
+            block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
+                       key_buf, key_rows);
+            block_rows(value, value_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
+                       value_buf, value_rows);
+            for (int g = 0; g < group; g++) {
+                int head = h * group + g;
+                float *p = probs + g * block_size, *acc = out + (int64_t)head * dim;
+                block_scores(q + (int64_t)head * dim, key_rows, count, dim, sm_scale, p);
+                float new_max = run_max[head];
+                for (int o = 0; o < count; o++) new_max = p[o] > new_max ? p[o] : new_max;
+                float block_sum = exp_shifted(p, count, new_max);
+                if (new_max != run_max[head]) { /* rescale what was summed under the old max */
+                    float correction = expf(run_max[head] - new_max);
+                    run_sum[head] *= correction;
+                    for (int d = 0; d < dim; d++) acc[d] *= correction;
+                    run_max[head] = new_max;
+                }
+                run_sum[head] += block_sum;
+                weighted_sum(acc, p, value_rows, count, dim);
+            }
+        }
+    }
+    for (int head = 0; head < num_heads; head++) {
+        float inv = 1.0f / run_sum[head];
+        for (int d = 0; d < dim; d++) out[(int64_t)head * dim + d] *= inv;
+        if (lse) lse[head] = run_max[head] + logf(run_sum[head]);
+    }
+}

@@ -1,0 +1,48 @@
+/*
+ * The layer kind's entry points (decode_layer.c): what native/ops.py declares, its ctypes
+ * structures mirroring the two structures below field for field (runtime/abi.c reports their
+ * sizes, which ops.py checks at load).
+ */
+#ifndef KVSERVE_LAYER_H
+#define KVSERVE_LAYER_H
+#include <stdint.h>
+
+/* One layer's weights (packed ones are oneDNN's layout, see linear/linear_amx.c) and shape. */
+typedef struct {
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    int64_t hidden, intermediate;
+    int32_t num_heads, num_kv_heads, head_dim;
+    float eps;
+} decode_layer;
+
+/* decode_step_layers' arguments: the layers and their buffers, then the step's attention
+ * (attention/base.py's DecodeStepPlan; decode_layer.c says what each part does). */
+typedef struct {
+    const decode_layer *layers; /* [num_layers], of one shape */
+    void *const *caches;        /* [4 * num_layers]: each layer's key, value, their scales */
+    uint16_t *hidden;
+    const uint16_t *cos, *sin;
+    uint16_t *q, *k, *qkv, *attn;
+    void *work;
+    const int64_t *block_tables, *seq_lens, *slots;
+    const int64_t *prefix_table; /* with prefix_blocks > 0 */
+    float *prior_out, *prior_lse;
+    int64_t m, mp;
+    int num_layers, kind, max_blocks, block_size, prefix_blocks;
+    float sm_scale;
+    int threads;
+} decode_step_args;
+
+int decode_layer_available(void);
+int64_t decode_layer_work_bytes(const decode_layer *l, int64_t mp);
+int decode_pre_attention(const decode_layer *l, const uint16_t *hidden, int64_t mp,
+                         const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *k,
+                         uint16_t *qkv, void *work, int threads);
+int decode_between_attentions(const decode_layer *l, const decode_layer *next, uint16_t *hidden,
+                              const uint16_t *attn, int64_t m, int64_t mp, const uint16_t *cos,
+                              const uint16_t *sin, uint16_t *q, uint16_t *k, uint16_t *qkv,
+                              void *work, int threads);
+int decode_post_attention(const decode_layer *l, uint16_t *hidden, const uint16_t *attn,
+                          int64_t m, int64_t mp, void *work, int threads);
+int decode_step_layers(const decode_step_args *args);
+#endif
