@@ -3,8 +3,8 @@
 Profiling the reference backend on W1 showed about half of a server's time in decode
 attention (docs/decisions/paged-decode-kernel.md): copying each sequence's blocks into a
 padded tensor every layer and step, then attending over the copy.  This backend hands the
-decode rows to `csrc/paged_decode.c`, which walks the block tables and reads each cached row
-once (8-bit rows dequantized on the fly).
+decode rows to `native/csrc/attention/paged_decode.c`, which walks the block tables and reads
+each cached row once (8-bit rows dequantized on the fly).
 Prefills keep the reference path: their gathered context is shared by many query tokens, and
 SDPA's blocked kernels are faster there.
 """

@@ -93,7 +93,7 @@ class LLMEngine:
     def _start(self, config: EngineConfig) -> None:
         ex = self.executor
         self.model_name, self.model_config = ex.model_name, ex.model_config
-        # rank 0's CPU thread plan (runner/platform.py): the thread that steps the engine, if
+        # rank 0's CPU thread plan (native/platform.py): the thread that steps the engine, if
         # not this one, pins its own team to it (executor/base.py bind_compute_threads)
         self.cpu_threads = ex.cpu_threads
         self.tokenizer = load_tokenizer(ex.model_path)

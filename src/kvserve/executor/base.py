@@ -38,8 +38,8 @@ NOT_WITH_TENSOR_PARALLEL = {
         "only its own KV heads (each rank would need its own store)"
     ),
     "native layers": (
-        "csrc/decode_layer.c adds o_proj's and down_proj's outputs to the residual within "
-        "one call, where N ranks hold partial sums that must first be all-reduced"
+        "native/csrc/layer/decode_layer.c adds o_proj's and down_proj's outputs to the "
+        "residual within one call, where N ranks hold partial sums that must first be all-reduced"
     ),
     "CUDA graphs": "capturing NCCL collectives in CUDA graphs has not been tested",
 }
@@ -66,7 +66,7 @@ def tensor_parallel_refuses(feature: str, world_size: int) -> bool:
 
 def set_cpu_threads(spec: str) -> CpuThreadPlan | None:
     """Size torch's CPU threads by --cpu-threads-bind, pinning the calling thread's team when
-    the plan pins (runner/platform.py); the plan, or None where OMP_NUM_THREADS decides."""
+    the plan pins (native/platform.py); the plan, or None where OMP_NUM_THREADS decides."""
     return platform.set_cpu_threads(spec)
 
 

@@ -41,7 +41,7 @@ def choose_layer_kernels(
     if enforce_eager:
         return
     if _native_layers_warmed_up(model, warm_up, world_size):
-        logger.info("the layers run their native path (csrc/decode_layer.c) at every step")
+        logger.info("the layers run their native path (native/csrc/layer/decode_layer.c)")
         return
     if world_size > 1 and not all_ranks(_compiles_here(model)):
         logger.warning("torch.compile cannot run on every rank: the ranks run eagerly")

@@ -23,10 +23,10 @@ from kvserve.native import ops
 logger = logging.getLogger("kvserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
-# Every row count of a bfloat16 projection goes through csrc/linear_amx.c over oneDNN's packed
-# weight.  At a decode step's rows it streams the weight faster than oneDNN does (W1's 128-row
-# decode step 105 -> 101 ms); at a prefill step's it runs in
-# chunks of 256 rows (linear_amx.c) and fuses SiLU x up into the gate_up projection: a layer's
+# Every row count of a bfloat16 projection goes through native/csrc/linear/linear_amx.c over
+# oneDNN's packed weight.  At a decode step's rows it streams the weight faster than oneDNN does
+# (W1's 128-row decode step 105 -> 101 ms); at a prefill step's it runs in chunks of 256 rows
+# (linear_amx.c) and fuses SiLU x up into the gate_up projection: a layer's
 # qkv, o and down projections at 256 / 512 / 1,024 / 2,048 rows took 1.62 / 3.78 / 8.02 / 14.3
 # ms against oneDNN's 1.88 / 5.73 / 11.5 / 14.4, and gate_up with its SiLU 1.52 / 3.47 / 6.95 /
 # 12.9 against 1.88 / 4.66 / 7.35 / 14.5 (docs/decisions/projection-kernels.md).
