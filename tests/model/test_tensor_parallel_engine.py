@@ -17,7 +17,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ParameterError
-from kvserve.models.native_layers import _functions
+from kvserve.models.native_layers import native_kernels
 from kvserve.models.packed_linear import can_pack
 from kvserve.planner.layers import kv_layout
 from kvserve.planner.plan import engine_kv_capacity, kv_capacity
@@ -103,7 +103,7 @@ BF16_PROMPTS = ["1, 2, 3, 4, 5,", "Q: What is 2 + 2?\nA:", "The chemical symbol 
 def native_path_serves_bfloat16() -> bool:
     """This CPU has the layers' native path (bfloat16 packing and an AMX or AVX512-BF16
     build of csrc/decode_layer.c)."""
-    return can_pack(torch.device("cpu"), torch.bfloat16) and _functions() is not None
+    return can_pack(torch.device("cpu"), torch.bfloat16) and native_kernels() is not None
 
 
 def test_tp2_bfloat16_checks_the_kv_dtype_and_equals_one_rank_on_the_native_path(caplog):
