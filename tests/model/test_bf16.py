@@ -142,12 +142,13 @@ def test_the_kv_cache_is_stored_in_bf16_at_half_the_bytes(tiny_dir):
     half of float32's 512, so the same memory holds twice the blocks."""
     bf16 = bf16_llm(tiny_dir, kv_cache_memory=2**20).engine
     fp32 = LLM(tiny_dir, dtype="float32", kv_cache_memory=2**20, max_model_len=256).engine
-    assert bf16.dtype == torch.bfloat16 and bf16.kv_caches[0].key.dtype == torch.bfloat16
+    caches = bf16.executor.kv_caches
+    assert bf16.executor.dtype == torch.bfloat16 and caches[0].key.dtype == torch.bfloat16
     assert bf16.sizing.spec.dtype == "bfloat16" and "bfloat16" in bf16.sizing.summary()
     assert bf16.sizing.spec.bytes_per_token == 2 * 2 * 2 * 16 * 2 == 256
     assert fp32.sizing.spec.bytes_per_token == 2 * bf16.sizing.spec.bytes_per_token
     assert bf16.sizing.num_blocks == 2**20 // (16 * 256) == 2 * fp32.sizing.num_blocks
-    assert kv_cache_bytes(bf16.kv_caches) == bf16.sizing.num_blocks * 16 * 256
+    assert kv_cache_bytes(caches) == bf16.sizing.num_blocks * 16 * 256
 
 
 @pytest.mark.parametrize("chunk_size", [7, 1, 16])

@@ -212,7 +212,7 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
     assert plan(dataclasses.replace(decodes(1, 0), prefills=("a prefill",))) is None
     int8 = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                max_model_len=256, enforce_eager=False, enable_prefix_caching=False,
-               kv_cache_dtype="int8", kv_cache_dtype_check="off").engine  # fmt: skip
+               kv_cache_dtype="int8", kv_cache_dtype_check="off").engine.executor  # fmt: skip
     quantized = plan(decodes(2, 0), kv_caches=int8.kv_caches)
     assert quantized.kv_caches == tuple(int8.kv_caches)
     assert quantized.kv_caches[0].key_scale is not None  # int8: scaled
