@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from kvserve.bench.launcher import ServerProcess
+from kvserve.bench.launcher import ServerProcess, free_port, start_server
 from kvserve.bench.launcher import launch_server as _launch
 
-__all__ = ["SERVER_ARGS", "ServerProcess", "launch_server", "scrape", "wait_for_idle"]
+__all__ = [
+    "SERVER_ARGS", "ServerProcess", "launch_faulty_server", "launch_server", "scrape",
+    "wait_for_idle",
+]  # fmt: skip
 
 # float32: the tests compare the server's greedy tokens with offline runs batched differently,
 # which only float32 keeps exact (--dtype auto would be bfloat16 on a CPU with native bf16).
@@ -30,6 +34,26 @@ def launch_server(
     variables.update(env or {})
     args = [*SERVER_ARGS, "--log-stats-interval", "2", *extra_args]
     return _launch(log_dir, args, env=variables)
+
+
+def launch_faulty_server(
+    log_dir: Path, poison: int, *extra_args: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """tests/e2e/faulty_server.py (a step computing token `poison` raises, or hangs with
+    KVSERVE_TEST_POISON_HANG=1 in `env`), healthy when this returns; the caller stops it."""
+    port = free_port()
+    script = Path(__file__).with_name("faulty_server.py")
+    command = [sys.executable, str(script), "serve", "--port", str(port), *SERVER_ARGS,
+               *extra_args]  # fmt: skip
+    variables = {k: v for k, v in os.environ.items() if k != "KVSERVE_API_KEY"}
+    variables.update({"KVSERVE_TEST_POISON_TOKEN": str(poison), **(env or {})})
+    server = start_server(command, port, log_dir, variables)
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")

@@ -9,16 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from e2e_server import SERVER_ARGS, ServerProcess, scrape, wait_for_idle
-
-from kvserve.bench.launcher import free_port, start_server
+from e2e_server import ServerProcess, launch_faulty_server, scrape, wait_for_idle
 
 HI = [{"role": "user", "content": "hi"}]
 LIMIT_ARGS = ["--max-num-seqs", "4", "--max-waiting-requests", "4", "--max-prompts-per-request",
@@ -193,15 +189,8 @@ POISON = 4242
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory) -> ServerProcess:
-    port = free_port()
-    script = Path(__file__).with_name("faulty_server.py")
-    command = [sys.executable, str(script), "serve", "--port", str(port), *SERVER_ARGS,
-               "--dtype", "float32"]  # fmt: skip
-    env = {**__import__("os").environ, "KVSERVE_TEST_POISON_TOKEN": str(POISON)}
-    env.pop("KVSERVE_API_KEY", None)
-    server = start_server(command, port, tmp_path_factory.mktemp("faulty"), env)
+    server = launch_faulty_server(tmp_path_factory.mktemp("faulty"), POISON)
     try:
-        server.wait_healthy()
         yield server
     finally:
         server.stop()

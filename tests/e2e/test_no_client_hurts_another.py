@@ -8,19 +8,15 @@ before it."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e_server import SERVER_ARGS, ServerProcess, scrape, wait_for_idle
-
-from kvserve.bench.launcher import free_port, start_server
+from e2e_server import ServerProcess, launch_faulty_server, scrape, wait_for_idle
 
 HTTP_TIMEOUT_S = 180.0
 # The default --stream-stall-timeout (60 s) is the one under test.  512 MiB of float32 KV holds
@@ -117,12 +113,12 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
     idle = [small_request(http) for _ in range(3)]
     expensive = {
         "prompt": "Write a long story about a lighthouse keeper. " * 20,
-        "n": 16, "max_tokens": 400, "min_tokens": 64, "temperature": 1.0, "logprobs": 20,
+        "n": 16, "max_tokens": 2000, "min_tokens": 64, "temperature": 1.0, "logprobs": 20,
         "ignore_eos": True,
         "stop_token_ids": list(range(1000, 2024)), "cache_salt": "s" * 1024,
         "stop": [chr(0x4E00 + i) * 256 for i in range(16)], "stream": True,
     }  # fmt: skip
-    started = threading.Event()
+    started, measured = threading.Event(), threading.Event()
     failures: list[str] = []
 
     def run_expensive() -> None:
@@ -131,8 +127,10 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
             if response.status_code != 200:
                 failures.append(response.read().decode()[:300])
             for line in response.iter_lines():
-                if line.startswith("data: {"):
+                if line.startswith("data: {"):  # text shows once past the stop strings' length
                     started.set()
+                if measured.is_set():
+                    return  # leaving aborts it
         started.set()
 
     worker = threading.Thread(target=run_expensive)
@@ -142,6 +140,7 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
         busy = [small_request(http) for _ in range(3)]
         still_running = scrape(server.base_url)["kvserve:num_requests_running"] > 1
     finally:
+        measured.set()
         worker.join()
     assert still_running, "the expensive request ended before the small ones were measured"
     idle_s = statistics.median(t for t, _ in idle)
@@ -156,15 +155,11 @@ POISON = 4243
 
 @pytest.fixture(scope="module")
 def hanging(tmp_path_factory) -> ServerProcess:
-    port = free_port()
-    script = Path(__file__).with_name("faulty_server.py")
-    command = [sys.executable, str(script), "serve", "--port", str(port), *SERVER_ARGS,
-               "--engine-stall-timeout", "3"]  # fmt: skip
-    env = {**os.environ, "KVSERVE_TEST_POISON_TOKEN": str(POISON), "KVSERVE_TEST_POISON_HANG": "1"}
-    env.pop("KVSERVE_API_KEY", None)
-    server = start_server(command, port, tmp_path_factory.mktemp("hanging"), env)
+    server = launch_faulty_server(
+        tmp_path_factory.mktemp("hanging"), POISON, "--engine-stall-timeout", "3",
+        env={"KVSERVE_TEST_POISON_HANG": "1"},
+    )  # fmt: skip
     try:
-        server.wait_healthy()
         yield server
     finally:
         server.stop()
