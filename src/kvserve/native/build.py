@@ -241,14 +241,3 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.paged_decode_attention  # noqa: B018 - AttributeError where the symbol is missing
     return lib
-
-
-@functools.cache
-def library_available() -> bool:
-    """True when the library builds and loads here (logs why not, once)."""
-    try:
-        load_library()
-    except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native library unavailable, using torch's paths: %s", exc)
-        return False
-    return True
