@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 # Lowest top-1 agreement of the 8-bit KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
@@ -62,6 +63,18 @@ class ModelConfig(TransformerShape):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's dtype
+    # Sliding-window attention: the window in tokens (0: none), and which layers use it.
+    # `layer_types` holds one of LAYER_TYPES per layer (Hugging Face's names); empty means
+    # every layer is "sliding_attention" when sliding_window is set, else "full_attention".
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens, 0 for full attention."""
+        if not self.sliding_window:
+            return (0,) * self.num_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

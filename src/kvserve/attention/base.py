@@ -18,7 +18,7 @@ the model, which hands it to the native code as data.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -49,6 +49,22 @@ class AttentionMetadata:
     # backend may attend them once for all the sequences whose query tokens all come after
     # them.  Only prefill chunks may start inside them (they attend as usual).
     shared_prefix_blocks: int = 0
+    # Sliding-window attention (0: full attention).  A query at position p attends the keys at
+    # positions p - sliding_window + 1 .. p (Hugging Face's convention: the window counts the
+    # query's own token).  The block-table entries of blocks wholly before a sequence's first
+    # query's window may hold any block id (a window KV cache group frees those blocks and the
+    # runner pads their entries with 0): a backend must not read them as context.  Windowed
+    # metadata has no shared prefix (with_window sets shared_prefix_blocks to 0).
+    sliding_window: int = 0
+
+
+def with_window(metadata: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The metadata of a layer that attends over the last `window` positions (0: full).  A
+    window turns off the shared-prefix path: the prefix may lie outside some queries' window."""
+    if metadata.sliding_window == window:
+        return metadata
+    shared = metadata.shared_prefix_blocks if window == 0 else 0
+    return replace(metadata, sliding_window=window, shared_prefix_blocks=shared)
 
 
 @dataclass(frozen=True)

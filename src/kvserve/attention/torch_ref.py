@@ -39,7 +39,9 @@ class TorchRefBackend(AttentionBackend):
         num_decode = metadata.num_decode_tokens
         if num_decode:
             out[:num_decode] = self._decode(query[:num_decode], kv_cache, metadata, scale)
-        self._prefills(query, key, value, kv_cache, metadata.prefills, scale, out)
+        self._prefills(
+            query, key, value, kv_cache, metadata.prefills, scale, out, metadata.sliding_window
+        )
         return out
 
     def _prefills(
@@ -51,11 +53,15 @@ class TorchRefBackend(AttentionBackend):
         spans: Sequence[PrefillSpan],
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
-        """Each prefill chunk's attention into its rows of `out`."""
+        """Each prefill chunk's attention into its rows of `out` (`window`: a sliding window's
+        width, 0 for full attention)."""
         for span in spans:
             rows = slice(span.query_start, span.query_end)
-            out[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, scale)
+            out[rows] = self._prefill(
+                query[rows], key[rows], value[rows], kv_cache, span, scale, window
+            )
 
     def _decode(
         self, query: torch.Tensor, kv_cache: LayerKVCache, md: AttentionMetadata, scale: float
@@ -63,7 +69,10 @@ class TorchRefBackend(AttentionBackend):
         # query [B, H, D]; keys gathered [B, S, Hkv, D] with S = max_blocks * block_size.
         keys, values = kv_cache.gather(md.decode_block_tables, query.dtype)
         num_keys = keys.shape[1]
-        mask = torch.arange(num_keys, device=query.device)[None, :] < md.decode_seq_lens[:, None]
+        key_positions = torch.arange(num_keys, device=query.device)[None, :]
+        mask = key_positions < md.decode_seq_lens[:, None]
+        if md.sliding_window:
+            mask &= key_positions >= md.decode_seq_lens[:, None] - md.sliding_window
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # [B, H, 1, D]
             keys.transpose(1, 2),  # [B, Hkv, S, D]
@@ -82,23 +91,34 @@ class TorchRefBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         span: PrefillSpan,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         num_query = query.shape[0]
         num_context = span.seq_len - num_query
-        if num_context == 0:
+        if num_context == 0 and not 0 < window < num_query:
             # Nothing cached before this chunk: the fresh K/V are the whole context.
             return _sequence_attention(query, key, value, None, scale)
-        keys, values = kv_cache.gather(span.block_table, query.dtype)
-        keys, values = keys[: span.seq_len], values[: span.seq_len]
-        mask = trailing_causal_mask(span.seq_len, num_query, query.device)
+        if num_context == 0:
+            keys, values = key, value
+        else:
+            keys, values = kv_cache.gather(span.block_table, query.dtype)
+            keys, values = keys[: span.seq_len], values[: span.seq_len]
+        mask = trailing_causal_mask(span.seq_len, num_query, query.device, window)
         return _sequence_attention(query, keys, values, mask, scale)
 
 
-def trailing_causal_mask(num_keys: int, num_query: int, device: torch.device) -> torch.Tensor:
+def trailing_causal_mask(
+    num_keys: int, num_query: int, device: torch.device, window: int = 0
+) -> torch.Tensor:
     """[num_query, num_keys] bool for queries that are the last num_query of num_keys
-    positions: each sees every key up to and including its own."""
-    positions = torch.arange(num_keys - num_query, num_keys, device=device)
-    return torch.arange(num_keys, device=device)[None, :] <= positions[:, None]
+    positions: each sees every key up to and including its own, and with a sliding `window`
+    only the last `window` of those."""
+    positions = torch.arange(num_keys - num_query, num_keys, device=device)[:, None]
+    keys = torch.arange(num_keys, device=device)[None, :]
+    mask = keys <= positions
+    if window:
+        mask &= keys > positions - window
+    return mask
 
 
 def group_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
