@@ -22,6 +22,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step; min_tokens needs it
     eos_token_ids: frozenset[int]
+    # The block tables of KV cache groups 1.. (kv/groups.py; NULL_BLOCK = -1 where a window
+    # freed a block); empty with one group.  `block_table` is group 0's.
+    group_block_tables: tuple[list[int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -132,6 +132,8 @@ def allocate_kv_caches(
     spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False
 ) -> list[LayerKVCache]:
     """One LayerKVCache per layer for `num_blocks` blocks, as the accounting in `spec` says.
+    With KV cache groups the layers of one slot share one LayerKVCache (the same object): a
+    block id belongs to one group at a time, and slot j of it holds that group's j-th layer.
     `pin_memory` (a CPU device only): page-locked, for the host tier of a CUDA cache."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     dtype = quant.storage_dtype(spec.dtype)
@@ -144,7 +146,7 @@ def allocate_kv_caches(
         return torch.full(size, fill, dtype=table_dtype, device=device, pin_memory=pin_memory)
 
     caches = []
-    for _ in range(spec.num_layers):
+    for _ in range(spec.layers_per_block):
         caches.append(
             LayerKVCache(
                 key=table(shape, dtype, 0),
@@ -154,7 +156,16 @@ def allocate_kv_caches(
                 kv_dtype=spec.dtype,
             )
         )
-    return caches
+    return [caches[slot] for slot in spec.slot_of_layers()]
+
+
+def distinct_caches(caches: list[LayerKVCache]) -> list[LayerKVCache]:
+    """The distinct caches of a per-layer list (KV cache groups share one per slot), in
+    order: what a copy of whole blocks must touch once each."""
+    seen: dict[int, LayerKVCache] = {}
+    for cache in caches:
+        seen.setdefault(id(cache), cache)
+    return list(seen.values())
 
 
 _HUGE_PAGE_BYTES = 2 * 2**20
@@ -181,4 +192,4 @@ def _huge_page_table(size: tuple[int, ...], dtype: torch.dtype, fill: float) -> 
 
 def kv_cache_bytes(caches: list[LayerKVCache]) -> int:
     """Bytes actually allocated; equals num_blocks x spec.bytes_per_block (checked in tests)."""
-    return sum(t.numel() * t.element_size() for c in caches for t in c.tensors)
+    return sum(t.numel() * t.element_size() for c in distinct_caches(caches) for t in c.tensors)

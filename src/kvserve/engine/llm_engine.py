@@ -28,6 +28,7 @@ from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
     KVCacheSizing,
+    refuse_features_of_groups,
     resolve_max_model_len,
     size_host_tier,
     size_kv_cache,
@@ -75,6 +76,7 @@ def make_cache_manager(
         track_new_blocks=services.wants_new_blocks,
         num_host_blocks=sizing.num_host_blocks,
         report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
+        groups=sizing.spec.groups,
     )  # fmt: skip
 
 
@@ -126,8 +128,9 @@ class LLMEngine:
         cache, mc, ex = self.config.cache, self.model_config, self.executor
         spec = kv_cache_spec(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, cache.kv_cache_dtype, ex.dtype_name,
-            cache.block_size, self.config.load.tensor_parallel_size,
+            cache.block_size, self.config.load.tensor_parallel_size, mc.layer_windows(),
         )  # fmt: skip  # per rank: the largest rank's KV heads, rank 0's weights
+        refuse_features_of_groups(spec, cache)
         budget = ex.determine_kv_budget_bytes(spec, self.max_model_len)
         sizing = size_kv_cache(spec, budget, self.max_model_len)
         if cache.kv_offloading_size is None:

@@ -38,7 +38,6 @@ from kvserve.engine.request_queue import RequestQueue
 from kvserve.engine.stopping import check_stop_token
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
-from kvserve.kv.spec import cdiv
 from kvserve.request import Request, RequestStatus
 from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats
 
@@ -180,7 +179,7 @@ class Scheduler:
                 cached = cm.extend_with_in_flight(request, cached, in_flight)
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
-            own_growth = self._growth_blocks(request, cdiv(num_computed + num_new, cm.block_size))
+            own_growth = self._growth_blocks(request, cm.blocks_needed(num_computed + num_new))
             reserve = math.ceil(self.growth_reserve * (growth + own_growth)) if self.running else 0
             if (
                 cm.allocate_slots(request.request_id, num_computed, num_new, cached, reserve)
@@ -208,7 +207,7 @@ class Scheduler:
         longest = self.max_model_len
         if max_tokens is not None:
             longest = min(longest, request.num_prompt_tokens + max_tokens)
-        return max(0, cdiv(longest, self.cache_manager.block_size) - num_blocks_held)
+        return max(0, self.cache_manager.blocks_needed(longest) - num_blocks_held)
 
     def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> dict[bytes, int]:
         """Key -> block id of the full blocks that this step's prefills complete (not yet in
@@ -231,6 +230,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
             block_table=self.cache_manager.block_table(request.request_id),
+            group_block_tables=self.cache_manager.group_block_tables(request.request_id),
             sample=start + num_new == request.num_tokens,
             sampling_params=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
@@ -272,7 +272,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         cm = self.cache_manager
-        held = sum(r.num_computed_tokens for r in self.running)
+        held = sum(cm.tokens_held(r.request_id, r.num_computed_tokens) for r in self.running)
         slots = sum(cm.num_blocks_of(r.request_id) for r in self.running) * cm.block_size
         return SchedulerStats(
             num_running=len(self.running),

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvserve.config import format_bytes
+from kvserve.config import CacheConfig, format_bytes
 from kvserve.errors import ParameterError
 from kvserve.executor.memory import GIB, CapacityError, HostMemory, headroom_text
-from kvserve.kv.spec import KVCacheSpec, cdiv
+from kvserve.kv.spec import KVCacheSpec
 
 logger = logging.getLogger("kvserve")
 ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -36,17 +36,36 @@ class KVCacheSizing:
 
     @property
     def max_concurrency(self) -> float:
-        """Sequences of max_model_len tokens that fit at once (whole blocks each)."""
-        return self.num_blocks / cdiv(self.max_model_len, self.spec.block_size)
+        """Sequences of max_model_len tokens that fit at once (whole blocks each, windows
+        applied)."""
+        return self.num_blocks / self.spec.num_blocks_for_tokens(self.max_model_len)
 
     def summary(self) -> str:
+        spec = self.spec
         return (
-            f"KV cache: {self.num_blocks:,} blocks x {self.spec.block_size} tokens = "
-            f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, "
-            f"{self.spec.bytes_per_token:,} bytes/token, {self.spec.dtype}); "
-            f"max concurrency at {self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
+            f"KV cache: {self.num_blocks:,} blocks x {spec.block_size} tokens "
+            f"({format_bytes(self.num_bytes)}, {spec.bytes_per_token:,} bytes/token, "
+            f"{spec.dtype}); {spec.bytes_per_sequence(self.max_model_len):,} bytes per "
+            f"sequence of {self.max_model_len:,} tokens; max concurrency at "
+            f"{self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
             + self._host_summary()
+            + self._groups_summary()
         )
+
+    def _groups_summary(self) -> str:
+        """One line per KV cache group where the layers form several or one slides."""
+        spec = self.spec
+        if not any(g.window for g in spec.groups) and len(spec.groups) < 2:
+            return ""
+        per_layer = spec.bytes_per_token_per_layer
+        lines = [
+            f"\n  KV cache group {i}: {group.describe()}; "
+            f"{len(group.layers) * per_layer:,} bytes/token, "
+            f"{group.num_blocks_kept(self.max_model_len, spec.block_size):,} blocks per "
+            f"sequence of {self.max_model_len:,} tokens"
+            for i, group in enumerate(spec.groups)
+        ]
+        return "".join(lines)
 
     def _host_summary(self) -> str:
         if not self.num_host_blocks:
@@ -102,6 +121,25 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> K
             "--gpu-memory-utilization, or use --kv-cache-dtype fp8 or int8"
         )
     return KVCacheSizing(spec, num_blocks, max_model_len)
+
+
+def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
+    """ParameterError for a flag that KV cache groups do not serve yet: the host tier and the
+    block log (KV events, the prefix store) follow one full-attention group's tables."""
+    windowed = any(g.window for g in spec.groups)
+    several = len(spec.groups) > 1
+    refused = [
+        ("--kv-offloading-size", cache.kv_offloading_size is not None and windowed),
+        ("--prefix-cache-dir", bool(cache.prefix_cache_dir) and several),
+        ("--kv-events-config", cache.kv_events is not None and several),
+    ]
+    for flag, refuse in refused:
+        if refuse:
+            raise ParameterError(
+                flag, "is not supported yet for a model with sliding-window layers "
+                f"(its KV cache groups: {'; '.join(g.describe() for g in spec.groups)}); "
+                "leave it out to serve this model",
+            )  # fmt: skip
 
 
 def size_host_tier(

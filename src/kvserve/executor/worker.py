@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kvserve.attention import select_backend
-from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
+from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches, kv_cache_bytes
 from kvserve.config import CacheConfig, LoadConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import WorkerSpec, bind_compute_threads, tensor_parallel_refuses
@@ -141,16 +141,20 @@ class Worker:
         return replace(spec, num_kv_heads=len(self.shard.kv_heads))
 
     def profile_peak_activation_bytes(self, spec: KVCacheSpec, num_tokens: int) -> int:
+        """One sequence's prefill through caches of the plain layout (a table of every block:
+        the peak is the activations')."""
+        plain = replace(self.local_spec(spec), groups=())
         return profile_peak_activation_bytes(
-            self.model, self.local_spec(spec), num_tokens, self.backend, self.device
+            self.model, plain, num_tokens, self.backend, self.device
         )
 
     def profile_graph_pool_bytes(self, spec: KVCacheSpec) -> int:
         if self.graph_plan is None:
             return 0
         return profile_graph_pool_bytes(
-            self.model, self.local_spec(spec), self.backend, self.device, self.graph_plan
-        )
+            self.model, replace(self.local_spec(spec), groups=()), self.backend, self.device,
+            self.graph_plan,
+        )  # fmt: skip
 
     def weight_bytes(self) -> int:
         """This rank's parameters and buffers (packed weights included)."""
@@ -173,11 +177,11 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, spec.block_size, self.device,
             seed=self.spec.config.load.seed, host_kv_caches=host_kv_caches,
+            layer_groups=layer_groups(spec),
         )  # fmt: skip
 
     def kv_cache_bytes(self) -> int:
-        tensors = [t for c in self.kv_caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return kv_cache_bytes(self.kv_caches)
 
     def warm_up(self) -> None:
         """The layers' fastest path that serves them (its warm-up writes into the first blocks:
@@ -186,7 +190,7 @@ class Worker:
         assert self.runner is not None, "initialize_kv_caches first"
         choose_layer_kernels(self.model, self.runner.warm_up, self.spec.config.load.enforce_eager,
                              self.world_size, self._on_every_rank)  # fmt: skip
-        if self.graph_plan is not None:
+        if self.graph_plan is not None and not self.runner.layer_groups:
             self.runner.capture_cuda_graphs(self.graph_plan, pad_block_id=self.num_blocks)
 
     def _on_every_rank(self, ok: bool) -> bool:
@@ -199,6 +203,15 @@ class Worker:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_caches first"
         return self.runner.execute(output)
+
+
+def layer_groups(spec: KVCacheSpec) -> list[int]:
+    """Each layer's KV cache group (empty without groups)."""
+    groups = [0] * spec.num_layers
+    for index, group in enumerate(spec.groups):
+        for layer in group.layers:
+            groups[layer] = index
+    return groups if spec.groups else []
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:

@@ -33,6 +33,12 @@ free-but-cached.
   continues the device run with blocks found there: ``allocate_slots`` gives each a fresh
   device block, caches it again under its key and queues the host -> device copy
   (``take_host_transfers``, drained by the scheduler into the step's output).
+* KV cache groups (kv/groups.py): with layers of several attention kinds (sliding windows
+  and full attention) a request has one table per group, all from the one pool; a window
+  group frees the blocks that leave its window as the request grows, and a cached prefix
+  counts only when every group has what it needs.  ``block_table`` is group 0's table,
+  ``group_block_tables`` the others'.  The host tier and the block log (events, the store)
+  serve a cache of one full-attention group (the engine refuses them otherwise).
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -48,9 +54,16 @@ from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.events import KVEvent
+from kvserve.kv.groups import (
+    NULL_BLOCK,
+    first_kept_block,
+    group_key,
+    hit_length,
+    prefix_tables,
+)
 from kvserve.kv.host_tier import HostTier, HostTransfers
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
-from kvserve.kv.spec import cdiv
+from kvserve.kv.spec import KVCacheGroup, blocks_kept, cdiv
 
 
 class HashedRequest(Protocol):
@@ -74,10 +87,24 @@ class CachedPrefix:
     them in the host tier (loaded into fresh device blocks by allocate_slots), with their
     content hashes (for the miss classifier)."""
 
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's
     num_tokens: int  # of both tiers
     host_keys: tuple[bytes, ...] = ()
     host_contents: tuple[int, ...] = ()
+    # The other groups' tables of the prefix (NULL_BLOCK before a window): one per group 1..
+    other_groups: tuple[list[int], ...] = ()
+
+    def tables(self, num_groups: int) -> list[list[int]]:
+        """Every group's table of the prefix (empty ones without a hit)."""
+        tables = [list(self.block_ids), *(list(t) for t in self.other_groups)]
+        return tables + [[] for _ in range(num_groups - len(tables))]
+
+    def held_block_ids(self) -> list[int]:
+        """The device blocks the prefix holds, every group's."""
+        held = list(self.block_ids)
+        for table in self.other_groups:
+            held.extend(b for b in table if b != NULL_BLOCK)
+        return held
 
     @property
     def num_blocks(self) -> int:
@@ -111,18 +138,23 @@ class KVCacheManager:
         track_new_blocks: bool = False,
         num_host_blocks: int = 0,
         report_cross_salt_misses: bool = False,
+        groups: Sequence[KVCacheGroup] = (),
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
         `block_hasher`, which makes every request's block hashes); `num_host_blocks` the
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
-        nothing of each other)."""
+        nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
+        full attention)."""
         self.block_size = block_size
+        self.windows = tuple(g.window for g in groups) or (0,)
+        # One full-attention group: the prefix search as it always was, with the host tier.
+        self._one_full_group = self.windows == (0,)
         self.enable_caching = enable_caching
         self.block_hasher = BlockHasher(block_size, extra_key, public_prefixes, enable_caching)
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
-        self.block_tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}  # request id -> a table per group
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
@@ -133,6 +165,15 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Each request's group-0 table (read-only view for tests and statistics)."""
+        return {request_id: tables[0] for request_id, tables in self._tables.items()}
 
     @property
     def usage(self) -> float:
@@ -168,6 +209,8 @@ class KVCacheManager:
         hashes = self._hashes(request)
         max_blocks = self._max_cached_blocks(len(request.all_token_ids))
         keys = hashes.keys[:max_blocks]
+        if not self._one_full_group:
+            return self._prefix_of_groups(keys, {})
         block_ids: list[int] = []
         for block_hash in keys:
             block_id = self.pool.lookup(block_hash)
@@ -179,6 +222,21 @@ class KVCacheManager:
         host_contents = tuple(hashes.contents[num_device : num_device + len(host_keys)])
         num_tokens = (num_device + len(host_keys)) * self.block_size
         return CachedPrefix(block_ids, num_tokens, host_keys, host_contents)
+
+    def _prefix_of_groups(self, keys: Sequence[bytes], in_flight: dict[bytes, int]) -> CachedPrefix:
+        """The longest prefix of `keys` that every group holds, in the pool or among the
+        blocks computed in this step (`in_flight`), with each group's table of it."""
+
+        def lookup(group: int, index: int) -> int | None:
+            key = group_key(keys[index], group)
+            block_id = self.pool.lookup(key)
+            return in_flight.get(key) if block_id is None else block_id
+
+        num_blocks = hit_length(self.windows, len(keys), self.block_size, lookup)
+        if not num_blocks:
+            return NO_PREFIX
+        tables = prefix_tables(self.windows, num_blocks, self.block_size, lookup)
+        return CachedPrefix(tables[0], num_blocks * self.block_size, other_groups=tuple(tables[1:]))
 
     def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         """The leading keys held by the host tier (and not on the device: a block after a
@@ -200,8 +258,11 @@ class KVCacheManager:
         admitted in the same step may read them (extend_with_in_flight)."""
         keys = self._full_block_keys(request)
         first, end = start_token // self.block_size, (start_token + num_tokens) // self.block_size
-        table = self.block_tables[request.request_id]
-        return {keys[i]: table[i] for i in range(first, min(end, len(keys)))}
+        computed = {}
+        for group, table in enumerate(self._tables[request.request_id]):
+            for i in range(first, min(end, len(keys))):
+                computed[group_key(keys[i], group)] = table[i]
+        return computed
 
     def extend_with_in_flight(
         self, request: HashedRequest, cached: CachedPrefix, in_flight: dict[bytes, int]
@@ -215,6 +276,9 @@ class KVCacheManager:
             return cached
         keys = self._full_block_keys(request)
         limit = self._max_cached_blocks(len(request.all_token_ids))
+        if not self._one_full_group:
+            extended = self._prefix_of_groups(keys[:limit], in_flight)
+            return extended if extended.num_tokens > cached.num_tokens else cached
         extra: list[int] = []
         for key in keys[len(cached.block_ids) : limit]:
             if key not in in_flight:
@@ -226,8 +290,26 @@ class KVCacheManager:
         return CachedPrefix(block_ids, len(block_ids) * self.block_size)
 
     def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block ids, in token order."""
-        return list(self.block_tables.get(request_id, ()))
+        """A copy of the request's block ids (group 0's), in token order."""
+        tables = self._tables.get(request_id)
+        return list(tables[0]) if tables else []
+
+    def group_block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        """Copies of the request's tables of groups 1.. (NULL_BLOCK for a block a window
+        freed); empty with one group."""
+        tables = self._tables.get(request_id)
+        return tuple(list(t) for t in tables[1:]) if tables else ()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds at most, every group's."""
+        return sum(blocks_kept(w, num_tokens, self.block_size) for w in self.windows)
+
+    def tokens_held(self, request_id: str, num_computed_tokens: int) -> int:
+        """Computed tokens the request's blocks hold, summed over groups (a window group's
+        freed blocks hold none): the numerator of the KV waste figure."""
+        tables = self._tables.get(request_id, ())
+        freed = sum(t.count(NULL_BLOCK) for t in tables)
+        return max(0, num_computed_tokens * len(tables) - freed * self.block_size)
 
     def allocate_slots(
         self,
@@ -240,32 +322,55 @@ class KVCacheManager:
         """Grow the request's block table to hold num_computed_tokens + num_new_tokens tokens.
 
         `cached` (only when the request has no table yet) is a prefix from find_cached_prefix;
-        its tokens are included in num_computed_tokens.  Returns the newly allocated block ids,
-        or None, changing nothing, when the pool cannot supply them while keeping
-        `reserve_blocks` free afterwards."""
-        table = self.block_tables.get(request_id, [])
-        assert not (table and cached.block_ids), "a cached prefix only applies to a new table"
+        its tokens are included in num_computed_tokens.  Returns the newly allocated block ids
+        (every group's), or None when the pool cannot supply them while keeping
+        `reserve_blocks` free afterwards: then nothing changed but the release of blocks that
+        left a window group's window (never read again)."""
+        tables = self._tables.get(request_id)
+        assert tables is None or not cached.num_blocks, "a cached prefix applies to a new table"
+        if tables is not None:
+            self._free_out_of_window(tables, num_computed_tokens)
+        grown = tables if tables is not None else cached.tables(self.num_groups)
         num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
         num_host = len(cached.host_keys)
-        num_new_blocks = max(0, num_needed - len(table) - cached.num_blocks)
-        shared = self._shared_block_index(table, num_computed_tokens)
-        num_copies = int(shared is not None)
-        available = self.pool.num_free_after_touch(cached.block_ids)
-        if num_host + num_new_blocks + num_copies + reserve_blocks > available:
+        num_new_blocks = [max(0, num_needed - len(t) - (num_host if g == 0 else 0))
+                          for g, t in enumerate(grown)]  # fmt: skip
+        shared = [self._shared_block_index(t, num_computed_tokens) for t in grown]
+        num_copies = sum(index is not None for index in shared)
+        held = cached.held_block_ids()
+        available = self.pool.num_free_after_touch(held)
+        if num_host + sum(num_new_blocks) + num_copies + reserve_blocks > available:
             return None
-        if cached.block_ids:
-            self.pool.touch(cached.block_ids)
-        if shared is not None:
-            self._copy_on_write(table, shared)
+        if held:
+            self.pool.touch(held)
+        for table, index in zip(grown, shared, strict=True):
+            if index is not None:
+                self._copy_on_write(table, index)
         loaded = self._load_from_host(cached)
-        new_block_ids = self.pool.allocate(num_new_blocks)
-        if request_id not in self.block_tables:
-            self.block_tables[request_id] = table
+        grown[0].extend(loaded)
+        new_block_ids = list(loaded)
+        for table, num in zip(grown, num_new_blocks, strict=True):
+            allocated = self.pool.allocate(num)
+            table.extend(allocated)
+            new_block_ids.extend(allocated)
+        if tables is None:
+            self._tables[request_id] = grown
             self._num_cached_blocks[request_id] = cached.num_blocks
-        table.extend(cached.block_ids)
-        table.extend(loaded)
-        table.extend(new_block_ids)
-        return loaded + new_block_ids
+        return new_block_ids
+
+    def _free_out_of_window(self, tables: list[list[int]], num_computed_tokens: int) -> None:
+        """Free each window group's blocks that no token from `num_computed_tokens` on reads
+        (always safe: the request never reads them again), newest first."""
+        for window, table in zip(self.windows, tables, strict=True):
+            index = min(first_kept_block(window, num_computed_tokens, self.block_size),
+                        len(table)) - 1  # fmt: skip
+            freed = []
+            while index >= 0 and table[index] != NULL_BLOCK:
+                freed.append(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
+            if freed:
+                self.pool.free(freed)
 
     def _load_from_host(self, cached: CachedPrefix) -> list[int]:
         """Fresh device blocks for the host-tier hits of `cached`, cached again under their
@@ -287,7 +392,11 @@ class KVCacheManager:
     def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
         """Index in `table` of the block the next token goes into, if other tables share it."""
         index = num_computed_tokens // self.block_size
-        if index < len(table) and self.pool.blocks[table[index]].ref_cnt > 1:
+        if (
+            index < len(table)
+            and table[index] != NULL_BLOCK
+            and self.pool.blocks[table[index]].ref_cnt > 1
+        ):
             return index
         return None
 
@@ -310,10 +419,11 @@ class KVCacheManager:
     def fork(self, src_request_id: str, dst_request_id: str, num_tokens: int) -> None:
         """Give `dst` (no table yet) references to the blocks holding src's first `num_tokens`
         tokens.  Shared partial blocks are copied when either side next writes to them."""
-        assert dst_request_id not in self.block_tables
-        blocks = self.block_tables[src_request_id][: cdiv(num_tokens, self.block_size)]
-        self.pool.touch(blocks)
-        self.block_tables[dst_request_id] = list(blocks)
+        assert dst_request_id not in self._tables
+        num_blocks = cdiv(num_tokens, self.block_size)
+        tables = [list(t[:num_blocks]) for t in self._tables[src_request_id]]
+        self.pool.touch(b for t in tables for b in t if b != NULL_BLOCK)
+        self._tables[dst_request_id] = tables
         num_cached = min(self._num_cached_blocks[src_request_id], num_tokens // self.block_size)
         self._num_cached_blocks[dst_request_id] = num_cached
 
@@ -348,14 +458,15 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._hashes(request)
-        table = self.block_tables[request_id]
-        stored: list[int] = []  # indices of the blocks this call cached
+        tables = self._tables[request_id]
+        table = tables[0]
+        stored: list[int] = []  # indices of group 0's blocks this call cached
         for i in range(start, num_full):
-            block_id = table[i]
-            if self.pool.blocks[block_id].block_hash is None and self.pool.cache(
-                block_id, hashes.keys[i]
-            ):
+            if self._cache_block(table[i], hashes.keys[i]):
                 stored.append(i)
+        for group, other in enumerate(tables[1:], start=1):
+            for i in range(start, num_full):
+                self._cache_block(other[i], group_key(hashes.keys[i], group))
         self._num_cached_blocks[request_id] = num_full
         if stored:
             self._misses.record_cached(
@@ -366,6 +477,13 @@ class KVCacheManager:
                 stored, hashes.keys, hashes.contents, request.all_token_ids, table,
                 hashes.num_unsalted,
             )  # fmt: skip
+
+    def _cache_block(self, block_id: int, key: bytes) -> bool:
+        """Register a computed block under its key (False: freed already, hashed already, or
+        its content cached in another block)."""
+        if block_id == NULL_BLOCK or self.pool.blocks[block_id].block_hash is not None:
+            return False
+        return self.pool.cache(block_id, key)
 
     def _on_evict(self, block_id: int, key: bytes) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
@@ -426,13 +544,15 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first) and forget its table."""
-        table = self.block_tables.pop(request_id, None)
+        tables = self._tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
-        if table:
-            self.pool.free(reversed(table))
+        for table in tables or ():
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self.block_tables.get(request_id, ()))
+        """Blocks the request holds, every group's."""
+        tables = self._tables.get(request_id, ())
+        return sum(len(t) - t.count(NULL_BLOCK) for t in tables)
 
     def check_invariants(self) -> None:
         """free + used = total; each block's ref count equals the tables that hold it."""
@@ -440,9 +560,10 @@ class KVCacheManager:
         if self.host is not None:
             self.host.check_invariants()
         refs: dict[int, int] = {}
-        for table in self.block_tables.values():
-            assert len(set(table)) == len(table), "a table holds a block twice"
-            for block_id in table:
+        for tables in self._tables.values():
+            held = [b for t in tables for b in t if b != NULL_BLOCK]
+            assert len(set(held)) == len(held), "a request holds a block twice"
+            for block_id in held:
                 refs[block_id] = refs.get(block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count of {block.block_id}"

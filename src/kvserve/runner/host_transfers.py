@@ -20,18 +20,20 @@ def apply_host_transfers(
     to_host: list[tuple[int, int]],
     from_host: list[tuple[int, int]],
 ) -> None:
-    """Make one step's offloads, then its loads; each pair is (device block, host slot)."""
+    """Make one step's offloads, then its loads; each pair is (device block, host slot).  Each
+    distinct cache once (layers of KV cache groups share theirs)."""
     if not (to_host or from_host):
         return
     if host_caches is None:
         raise RuntimeError("the scheduler asked for host-tier copies but the runner has no tier")
+    pairs = list({id(d): (d, h) for d, h in zip(device_caches, host_caches, strict=True)}.values())
     if to_host:
         blocks, slots = _ids(to_host)
-        for device, host in zip(device_caches, host_caches, strict=True):
+        for device, host in pairs:
             device.copy_blocks_to(host, blocks, slots)
     if from_host:
         blocks, slots = _ids(from_host)
-        for device, host in zip(device_caches, host_caches, strict=True):
+        for device, host in pairs:
             host.copy_blocks_to(device, slots, blocks)
 
 

@@ -20,7 +20,7 @@ from kvserve.attention.base import (
     DecodeStepPlan,
     PrefillSpan,
 )
-from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.attention.kv_cache import LayerKVCache, distinct_caches
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
 from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan, describe
@@ -56,9 +56,11 @@ class BatchInput:
 
 
 def build_batch_input(
-    requests: list[ScheduledRequest], block_size: int, device: torch.device
+    requests: list[ScheduledRequest], block_size: int, device: torch.device, group: int = 0
 ) -> BatchInput:
-    """Vectorized construction: no Python loop over tokens."""
+    """Vectorized construction: no Python loop over tokens.  `group`: the KV cache group whose
+    block tables the batch carries (kv/groups.py; a request without tables of its own for
+    the other groups, the warm-up's, uses group 0's in every group)."""
     num_tokens = [r.num_tokens for r in requests]
     starts = torch.tensor([r.start_position for r in requests], dtype=torch.long)
     counts = torch.tensor(num_tokens, dtype=torch.long)
@@ -67,13 +69,13 @@ def build_batch_input(
     total = int(query_start_loc[-1])
     row_of_token = torch.repeat_interleave(torch.arange(len(requests)), counts)
     positions = starts[row_of_token] + torch.arange(total) - query_start_loc[:-1][row_of_token]
-    max_blocks = max(len(r.block_table) for r in requests)
+    tables = [_group_table(r, group) for r in requests]
+    max_blocks = max(len(t) for t in tables)
     # One tensor from padded lists: a copy into each row cost ~8 us a request (~1 ms of a
-    # 128-row decode step).
+    # 128-row decode step).  A window group's freed blocks (-1) read as block 0: never read.
     block_tables = torch.tensor(
-        [[*r.block_table, *itertools.repeat(0, max_blocks - len(r.block_table))] for r in requests],
-        dtype=torch.long,
-    )
+        [[*t, *itertools.repeat(0, max_blocks - len(t))] for t in tables], dtype=torch.long
+    ).clamp_(min=0)
     slots = (
         block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     )
@@ -91,6 +93,12 @@ def build_batch_input(
         num_decodes=sum(1 for n in num_tokens if n == 1),
         shared_prefix_blocks=shared_prefix_blocks(requests, block_tables, block_size),
     )
+
+
+def _group_table(request: ScheduledRequest, group: int) -> list[int]:
+    if group == 0 or not request.group_block_tables:
+        return request.block_table
+    return request.group_block_tables[group - 1]
 
 
 def build_attention_metadata(batch: BatchInput, block_size: int) -> AttentionMetadata:
@@ -144,11 +152,14 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         host_kv_caches: list[LayerKVCache] | None = None,
+        layer_groups: Sequence[int] = (),
     ) -> None:
-        """`host_kv_caches`: the host tier's per-layer caches (--kv-offloading-size)."""
+        """`host_kv_caches`: the host tier's per-layer caches (--kv-offloading-size);
+        `layer_groups`: each layer's KV cache group where there are several (kv/spec.py)."""
         self.model = model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
+        self.layer_groups = tuple(layer_groups) if len(set(layer_groups)) > 1 else ()
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -202,7 +213,7 @@ class ModelRunner:
         )
         if output.block_copies:
             src, dst = torch.tensor(output.block_copies, device=self.device).unbind(1)
-            for cache in self.kv_caches:
+            for cache in distinct_caches(self.kv_caches):
                 cache.copy_blocks(src, dst)
         if not output.scheduled:
             return ModelRunnerOutput({})
@@ -210,7 +221,9 @@ class ModelRunner:
         requests = sorted(output.scheduled, key=lambda r: r.num_tokens > 1)
         batch = build_batch_input(requests, self.block_size, self.device)
         hidden = self._run_graph(batch)
-        if hidden is None:
+        if hidden is None and self.layer_groups:
+            hidden = self._run_groups(requests, batch)
+        elif hidden is None:
             metadata = build_attention_metadata(batch, self.block_size)
             hidden = self.model(
                 batch.input_ids, batch.positions, self.kv_caches, metadata, self.backend,
@@ -227,6 +240,23 @@ class ModelRunner:
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs)
 
+    def _run_groups(self, requests: list[ScheduledRequest], batch: BatchInput) -> torch.Tensor:
+        """A step of a model whose layers form several KV cache groups: each group's metadata
+        from its own block tables (its own slots), each layer given its group's."""
+        group_metadata = [build_attention_metadata(batch, self.block_size)]
+        for group in range(1, max(self.layer_groups) + 1):
+            group_batch = build_batch_input(requests, self.block_size, self.device, group)
+            group_metadata.append(build_attention_metadata(group_batch, self.block_size))
+        layer_metadata = [group_metadata[group] for group in self.layer_groups]
+        return self.model(
+            batch.input_ids,
+            batch.positions,
+            self.kv_caches,
+            group_metadata[0],
+            self.backend,
+            layer_metadata=layer_metadata,
+        )
+
     def _decode_plan(self, metadata: AttentionMetadata) -> DecodeStepPlan | None:
         """A decode-only step's attention as data, where the model runs such a step's layers
         in one native call and the backend can plan it (attention/base.py); else None."""
@@ -239,7 +269,11 @@ class ModelRunner:
 
     def _run_graph(self, batch: BatchInput) -> torch.Tensor | None:
         """Hidden states of a decode-only step through its CUDA graph; None: run eagerly."""
-        if self.cuda_graphs is None or batch.num_decodes != batch.input_ids.shape[0]:
+        if (
+            self.cuda_graphs is None
+            or self.layer_groups
+            or batch.num_decodes != batch.input_ids.shape[0]
+        ):
             return None
         return self.cuda_graphs.run(
             batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
