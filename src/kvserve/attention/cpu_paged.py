@@ -186,10 +186,14 @@ class CpuPagedBackend(TorchRefBackend):
         spans: Sequence[PrefillSpan],
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """The reference's chunks, with fresh prompts of one length that follow each other in
         the batch attended in one kernel call: W1's steps of 8 prompts of 256 tokens made 8
         calls a layer, ~0.25 ms more than one."""
+        if window:
+            super()._prefills(query, key, value, kv_cache, spans, scale, out, window)
+            return
         for group in same_shape_groups(tuple(spans)):
             if not self._fresh_prompts(query, key, value, out, group, scale):
                 super()._prefills(query, key, value, kv_cache, group, scale, out)
@@ -304,6 +308,7 @@ class CpuPagedBackend(TorchRefBackend):
         kv_cache: LayerKVCache,
         span: PrefillSpan,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """A chunk after cached context attends the context (unmasked) and itself (causal)
         in two flash calls, merged by their log-sum-exps, instead of one masked call over the
@@ -312,6 +317,8 @@ class CpuPagedBackend(TorchRefBackend):
         keeps the model's dtype; a quantized cache (whose stored values the reference
         attends) takes the reference's path."""
         num_context = span.seq_len - query.shape[0]
+        if window:
+            return super()._prefill(query, key, value, kv_cache, span, scale, window)
         if self._bf16_prefill and query.dtype == torch.bfloat16:
             out = self._kernel_prefill(query, key, value, kv_cache, span, scale)
             if out is not None:
