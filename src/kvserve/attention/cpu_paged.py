@@ -19,7 +19,11 @@ import torch
 from kvserve.attention import bf16_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
+from kvserve.attention.torch_ref import (
+    TorchRefBackend,
+    _sequence_attention,
+    trailing_causal_mask,
+)
 from kvserve.native import ops
 
 
@@ -110,7 +114,11 @@ class CpuPagedBackend(TorchRefBackend):
         once for all of them (shared_prefix.py)."""
         prefix_len = metadata.shared_prefix_blocks * kv_cache.key.shape[1]
         inside = [s for s in metadata.prefills if s.seq_len - s.num_query < prefix_len]
-        if query.device.type != "cpu" or not _attends_prefix_once(metadata, prefix_len, inside):
+        if (
+            query.device.type != "cpu"
+            or metadata.sliding_window  # windowed metadata has no shared prefix (with_window)
+            or not _attends_prefix_once(metadata, prefix_len, inside)
+        ):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
                 store = ops.NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
@@ -147,6 +155,10 @@ class CpuPagedBackend(TorchRefBackend):
         first = kv_caches[0] if kv_caches else None
         if (
             first is None
+            # A sliding window: the fused step (layer/decode_layer.c, AVX512-BF16/AMX CPUs
+            # alone) passes no window to the decode kernel, and its steps could not be tested
+            # on the CPUs this was written on, so windowed layers call `forward`.
+            or metadata.sliding_window
             or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
             or metadata.prefills
             or first.key.device.type != "cpu"
@@ -186,13 +198,16 @@ class CpuPagedBackend(TorchRefBackend):
         spans: Sequence[PrefillSpan],
         scale: float,
         out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """The reference's chunks, with fresh prompts of one length that follow each other in
         the batch attended in one kernel call: W1's steps of 8 prompts of 256 tokens made 8
-        calls a layer, ~0.25 ms more than one."""
+        calls a layer, ~0.25 ms more than one.  (The kernel's mask is causal: not for prompts
+        longer than a sliding window.)"""
         for group in same_shape_groups(tuple(spans)):
-            if not self._fresh_prompts(query, key, value, out, group, scale):
-                super()._prefills(query, key, value, kv_cache, group, scale, out)
+            windowed = 0 < window < group[0].seq_len
+            if windowed or not self._fresh_prompts(query, key, value, out, group, scale):
+                super()._prefills(query, key, value, kv_cache, group, scale, out, window)
 
     def _fresh_prompts(
         self,
@@ -304,13 +319,17 @@ class CpuPagedBackend(TorchRefBackend):
         kv_cache: LayerKVCache,
         span: PrefillSpan,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """A chunk after cached context attends the context (unmasked) and itself (causal)
         in two flash calls, merged by their log-sum-exps, instead of one masked call over the
         gathered whole: the masked kernel cost 0.72 ms a layer for W1's chunk that continues
         a prompt.  Its own K/V come as computed, which is what the cache holds when the cache
         keeps the model's dtype; a quantized cache (whose stored values the reference
-        attends) takes the reference's path."""
+        attends) takes the reference's path.  A sliding window that leaves out some of the
+        sequence's keys takes `_windowed_prefill`."""
+        if 0 < window < span.seq_len:
+            return self._windowed_prefill(query, key, value, kv_cache, span, scale, window)
         num_context = span.seq_len - query.shape[0]
         if self._bf16_prefill and query.dtype == torch.bfloat16:
             out = self._kernel_prefill(query, key, value, kv_cache, span, scale)
@@ -326,6 +345,35 @@ class CpuPagedBackend(TorchRefBackend):
         )
         out2, lse2 = shared_prefix.causal_attention_with_lse(query, key, value, scale)
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
+
+    def _windowed_prefill(
+        self,
+        query: torch.Tensor,  # [L, H, D]
+        key: torch.Tensor,  # [L, Hkv, D] this step's keys
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        span: PrefillSpan,
+        scale: float,
+        window: int,  # 0 < window < span.seq_len
+    ) -> torch.Tensor:
+        """A chunk under a sliding window, as the reference attends it (a fresh prompt over
+        its own K/V as computed, a chunk after context over the cache's rows), but gathering
+        only the blocks from the one holding its first query's first key: the table's entries
+        before it may hold any block id (base.AttentionMetadata.sliding_window).  SDPA with a
+        banded mask: the bf16 prefill kernel has no window."""
+        num_query = query.shape[0]
+        num_context = span.seq_len - num_query
+        if num_context == 0:
+            keys, values, offset = key, value, 0
+        else:
+            block_size = kv_cache.key.shape[1]
+            first_block = max(0, num_context - window + 1) // block_size
+            offset = first_block * block_size
+            table = span.block_table[first_block : -(-span.seq_len // block_size)]
+            keys, values = kv_cache.gather(table, query.dtype)
+            keys, values = keys[: span.seq_len - offset], values[: span.seq_len - offset]
+        mask = trailing_causal_mask(span.seq_len, num_query, query.device, window)[:, offset:]
+        return _sequence_attention(query, keys, values, mask, scale)
 
     def _kernel_prefill(
         self,
@@ -392,8 +440,9 @@ class CpuPagedBackend(TorchRefBackend):
         if query.device.type != "cpu":
             return super()._decode(query, kv_cache, md, scale)
         out = self._kernel_decode(
-            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None, store
-        )
+            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None, store,
+            window=md.sliding_window,
+        )  # fmt: skip
         return out.to(query.dtype)
 
     def _kernel_decode(
@@ -406,6 +455,7 @@ class CpuPagedBackend(TorchRefBackend):
         lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
         store: ops.NewRows | None = None,  # rows the kernel stores before attending
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,  # merged in (see the kernel)
+        window: int = 0,  # a sliding window (AttentionMetadata.sliding_window)
     ) -> torch.Tensor:  # [B, H, D]: bfloat16 for bfloat16 queries without lse, else float32
         # A bf16 model's plain decode: the kernel widens q and rounds its output itself.
         io_bf16 = query.dtype == torch.bfloat16 and lse is None
@@ -413,5 +463,7 @@ class CpuPagedBackend(TorchRefBackend):
         out = torch.empty_like(q)
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
-        self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior)
+        self._kernels.paged_decode(
+            q, out, kv_cache, tables, lens, scale, lse, store, prior, window
+        )
         return out
