@@ -15,6 +15,8 @@ import pytest
 import torch
 from attention_cases import filled_cache, garbage_before_window, mixed_step, poison_block
 
+from torch.nn.attention.flex_attention import flex_attention
+
 from kvserve.attention import select_backend
 from kvserve.attention.base import with_window
 from kvserve.attention.flex import FlexAttentionBackend
@@ -215,3 +217,16 @@ def test_flex_block_lists_hold_exactly_the_window(window, layout):
             assert num_blocks not in call.gather.tolist()
         if layout == PER_SEQUENCE:
             assert num_blocks not in call.gather.flatten().tolist()
+
+
+def test_the_compiled_kernel_attends_the_listed_window_blocks():
+    """torch.compile'd FlexAttention (static shapes, which build on a CPU: flex.py) visits
+    only the BlockMask's lists and skips the mask on full blocks: a mixed step under a window
+    of 37 over a cache whose garbage block, named by the tables before the windows, is NaN
+    (a kernel that visited it would return NaN).  Compiles once (~15 s on 2 cores)."""
+    q, k, v, md, dirty, cache, _ = windowed_case("mixed", 37, "float32", seed=2)
+    expected = _reference(q, k, v, md, cache)
+    backend = FlexAttentionBackend(compiled=False, layout=IN_PLACE)
+    backend._attend = torch.compile(flex_attention, dynamic=False)
+    got = backend.forward(q, k, v, cache(True), dirty, DIM**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
