@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_cases import filled_cache, garbage_before_window, mixed_step, poison_block
-
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention import select_backend

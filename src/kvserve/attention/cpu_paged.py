@@ -463,7 +463,5 @@ class CpuPagedBackend(TorchRefBackend):
         out = torch.empty_like(q)
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
-        self._kernels.paged_decode(
-            q, out, kv_cache, tables, lens, scale, lse, store, prior, window
-        )
+        self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior, window)
         return out
