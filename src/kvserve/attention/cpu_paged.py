@@ -7,6 +7,12 @@ decode rows to `native/csrc/attention/paged_decode.c`, which walks the block tab
 each cached row once (8-bit rows dequantized on the fly).
 Prefills keep the reference path: their gathered context is shared by many query tokens, and
 SDPA's blocked kernels are faster there.
+
+Sliding windows (AttentionMetadata.sliding_window): the decode kernel starts each sequence at
+its window's first key, never reading the table entries before it (any block id); a prefill
+that the window cuts gathers its blocks from its first query's window on and attends them
+through SDPA with a banded mask (`_windowed_prefill`: the bf16 prefill kernel has no window);
+the one-call decode step declines windowed steps (`plan_decode_step`).
 """
 
 from __future__ import annotations
