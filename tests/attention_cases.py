@@ -6,6 +6,8 @@ CUDA module, run on its own, has it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvserve.attention import quant
@@ -65,12 +67,17 @@ def decode_case(kv_dtype: str, heads: int, kv_heads: int, dim: int, block_size: 
     return query, cache, md, scale, TorchRefBackend()._decode(query, cache, md, scale)
 
 
-def mixed_step(block_size: int, gen: torch.Generator, device=CPU, prefills=None):
-    """3 decodes, then prefill spans (cached tokens, new tokens), by default 3: a fresh
-    prompt, a chunk after 21 cached tokens, and a 200-token chunk (two query tiles) after 37;
-    every new token gets a fresh slot.  Returns (metadata, num_blocks, num_tokens)."""
-    decode_contexts = [5, block_size, 40]  # tokens cached before this step's one
-    prefills = prefills or [(0, 11), (21, 9), (37, 200)]
+def mixed_step(
+    block_size: int, gen: torch.Generator, device=CPU, prefills=None, decode_contexts=None
+):
+    """Decodes (by default 3, after 5, block_size and 40 cached tokens), then prefill spans
+    (cached tokens, new tokens), by default 3: a fresh prompt, a chunk after 21 cached tokens,
+    and a 200-token chunk (two query tiles) after 37; every new token gets a fresh slot.
+    Returns (metadata, num_blocks, num_tokens)."""
+    if decode_contexts is None:  # tokens cached before this step's one
+        decode_contexts = [5, block_size, 40]
+    prefills = [(0, 11), (21, 9), (37, 200)] if prefills is None else prefills
+    num_decodes = len(decode_contexts)
     lengths = [n + 1 for n in decode_contexts] + [c + n for c, n in prefills]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     order = torch.randperm(num_blocks, generator=gen)
@@ -84,16 +91,47 @@ def mixed_step(block_size: int, gen: torch.Generator, device=CPU, prefills=None)
         [tables[i][torch.tensor(p) // block_size] * block_size + torch.tensor(p) % block_size
          for i, p in enumerate(new_positions)]
     )  # fmt: skip
-    width = max(len(t) for t in tables[:3])
-    decode_tables = torch.zeros(3, width, dtype=torch.long)
-    for row in range(3):
+    width = max((len(t) for t in tables[:num_decodes]), default=1)
+    decode_tables = torch.zeros(num_decodes, width, dtype=torch.long)
+    for row in range(num_decodes):
         decode_tables[row, : len(tables[row])] = tables[row]
-    spans, start = [], 3
-    for row, (cached, new) in enumerate(prefills, start=3):
+    spans, start = [], num_decodes
+    for row, (cached, new) in enumerate(prefills, start=num_decodes):
         spans.append(PrefillSpan(start, start + new, cached + new, tables[row].to(device)))
         start += new
     md = AttentionMetadata(
-        slots.to(device), 3, decode_tables.to(device), torch.tensor(lengths[:3]).to(device),
-        tuple(spans),
+        slots.to(device), num_decodes, decode_tables.to(device),
+        torch.tensor(lengths[:num_decodes], dtype=torch.long).to(device), tuple(spans),
     )  # fmt: skip
     return md, num_blocks, start
+
+
+def garbage_before_window(md: AttentionMetadata, block_size: int, garbage: int):
+    """`md` (windowed) with every block-table entry wholly before a sequence's first query's
+    window set to block `garbage`, as a window KV cache group may leave them
+    (AttentionMetadata.sliding_window): a backend that reads them attends garbage."""
+    window = md.sliding_window
+    tables = md.decode_block_tables.clone()
+    for row, n in enumerate(md.decode_seq_lens.tolist()):
+        tables[row, : max(0, n - window) // block_size] = garbage
+    spans = []
+    for span in md.prefills:
+        first_key = max(0, span.seq_len - span.num_query - window + 1)
+        table = span.block_table.clone()
+        table[: first_key // block_size] = garbage
+        spans.append(replace(span, block_table=table))
+    return replace(md, decode_block_tables=tables, prefills=tuple(spans))
+
+
+def poison_block(cache: LayerKVCache, block: int, value: float = float("nan")) -> None:
+    """Fill one block's K and V with `value` (a scaled 8-bit cache: its scales, which its
+    rows are multiplied by; fp8 stored unscaled: the byte 0x7f, NaN in both fp8 formats)."""
+    if cache.key.dtype == torch.uint8 and cache.key_scale is None:
+        cache.key[block] = 0x7F
+        cache.value[block] = 0x7F
+    elif cache.key_scale is not None:
+        cache.key_scale[block] = value
+        cache.value_scale[block] = value
+    else:
+        cache.key[block] = value
+        cache.value[block] = value

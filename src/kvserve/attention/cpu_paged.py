@@ -7,6 +7,12 @@ decode rows to `native/csrc/attention/paged_decode.c`, which walks the block tab
 each cached row once (8-bit rows dequantized on the fly).
 Prefills keep the reference path: their gathered context is shared by many query tokens, and
 SDPA's blocked kernels are faster there.
+
+Sliding windows (AttentionMetadata.sliding_window): the decode kernel starts each sequence at
+its window's first key, never reading the table entries before it (any block id); a prefill
+that the window cuts gathers its blocks from its first query's window on and attends them
+through SDPA with a banded mask (`_windowed_prefill`: the bf16 prefill kernel has no window);
+the one-call decode step declines windowed steps (`plan_decode_step`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,11 @@ import torch
 from kvserve.attention import bf16_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
-from kvserve.attention.torch_ref import TorchRefBackend, trailing_causal_mask
+from kvserve.attention.torch_ref import (
+    TorchRefBackend,
+    _sequence_attention,
+    trailing_causal_mask,
+)
 from kvserve.native import ops
 
 
@@ -110,7 +120,11 @@ class CpuPagedBackend(TorchRefBackend):
         once for all of them (shared_prefix.py)."""
         prefix_len = metadata.shared_prefix_blocks * kv_cache.key.shape[1]
         inside = [s for s in metadata.prefills if s.seq_len - s.num_query < prefix_len]
-        if query.device.type != "cpu" or not _attends_prefix_once(metadata, prefix_len, inside):
+        if (
+            query.device.type != "cpu"
+            or metadata.sliding_window  # windowed metadata has no shared prefix (with_window)
+            or not _attends_prefix_once(metadata, prefix_len, inside)
+        ):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
                 store = ops.NewRows(key, value, metadata.slot_mapping.to(torch.int64).contiguous())
                 return self._decode(query, kv_cache, metadata, scale, store)
@@ -147,6 +161,10 @@ class CpuPagedBackend(TorchRefBackend):
         first = kv_caches[0] if kv_caches else None
         if (
             first is None
+            # A sliding window: the fused step (layer/decode_layer.c, AVX512-BF16/AMX CPUs
+            # alone) passes no window to the decode kernel, and its steps could not be tested
+            # on the CPUs this was written on, so windowed layers call `forward`.
+            or metadata.sliding_window
             or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
             or metadata.prefills
             or first.key.device.type != "cpu"
@@ -190,13 +208,12 @@ class CpuPagedBackend(TorchRefBackend):
     ) -> None:
         """The reference's chunks, with fresh prompts of one length that follow each other in
         the batch attended in one kernel call: W1's steps of 8 prompts of 256 tokens made 8
-        calls a layer, ~0.25 ms more than one."""
-        if window:
-            super()._prefills(query, key, value, kv_cache, spans, scale, out, window)
-            return
+        calls a layer, ~0.25 ms more than one.  (The kernel's mask is causal: not for prompts
+        longer than a sliding window.)"""
         for group in same_shape_groups(tuple(spans)):
-            if not self._fresh_prompts(query, key, value, out, group, scale):
-                super()._prefills(query, key, value, kv_cache, group, scale, out)
+            windowed = 0 < window < group[0].seq_len
+            if windowed or not self._fresh_prompts(query, key, value, out, group, scale):
+                super()._prefills(query, key, value, kv_cache, group, scale, out, window)
 
     def _fresh_prompts(
         self,
@@ -315,10 +332,11 @@ class CpuPagedBackend(TorchRefBackend):
         gathered whole: the masked kernel cost 0.72 ms a layer for W1's chunk that continues
         a prompt.  Its own K/V come as computed, which is what the cache holds when the cache
         keeps the model's dtype; a quantized cache (whose stored values the reference
-        attends) takes the reference's path."""
+        attends) takes the reference's path.  A sliding window that leaves out some of the
+        sequence's keys takes `_windowed_prefill`."""
+        if 0 < window < span.seq_len:
+            return self._windowed_prefill(query, key, value, kv_cache, span, scale, window)
         num_context = span.seq_len - query.shape[0]
-        if window:
-            return super()._prefill(query, key, value, kv_cache, span, scale, window)
         if self._bf16_prefill and query.dtype == torch.bfloat16:
             out = self._kernel_prefill(query, key, value, kv_cache, span, scale)
             if out is not None:
@@ -333,6 +351,35 @@ class CpuPagedBackend(TorchRefBackend):
         )
         out2, lse2 = shared_prefix.causal_attention_with_lse(query, key, value, scale)
         return shared_prefix.merge(out1, lse1, out2, lse2).to(query.dtype)
+
+    def _windowed_prefill(
+        self,
+        query: torch.Tensor,  # [L, H, D]
+        key: torch.Tensor,  # [L, Hkv, D] this step's keys
+        value: torch.Tensor,
+        kv_cache: LayerKVCache,
+        span: PrefillSpan,
+        scale: float,
+        window: int,  # 0 < window < span.seq_len
+    ) -> torch.Tensor:
+        """A chunk under a sliding window, as the reference attends it (a fresh prompt over
+        its own K/V as computed, a chunk after context over the cache's rows), but gathering
+        only the blocks from the one holding its first query's first key: the table's entries
+        before it may hold any block id (base.AttentionMetadata.sliding_window).  SDPA with a
+        banded mask: the bf16 prefill kernel has no window."""
+        num_query = query.shape[0]
+        num_context = span.seq_len - num_query
+        if num_context == 0:
+            keys, values, offset = key, value, 0
+        else:
+            block_size = kv_cache.key.shape[1]
+            first_block = max(0, num_context - window + 1) // block_size
+            offset = first_block * block_size
+            table = span.block_table[first_block : -(-span.seq_len // block_size)]
+            keys, values = kv_cache.gather(table, query.dtype)
+            keys, values = keys[: span.seq_len - offset], values[: span.seq_len - offset]
+        mask = trailing_causal_mask(span.seq_len, num_query, query.device, window)[:, offset:]
+        return _sequence_attention(query, keys, values, mask, scale)
 
     def _kernel_prefill(
         self,
@@ -399,8 +446,9 @@ class CpuPagedBackend(TorchRefBackend):
         if query.device.type != "cpu":
             return super()._decode(query, kv_cache, md, scale)
         out = self._kernel_decode(
-            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None, store
-        )
+            query, kv_cache, md.decode_block_tables, md.decode_seq_lens, scale, None, store,
+            window=md.sliding_window,
+        )  # fmt: skip
         return out.to(query.dtype)
 
     def _kernel_decode(
@@ -413,6 +461,7 @@ class CpuPagedBackend(TorchRefBackend):
         lse: torch.Tensor | None,  # [B, H] float32, contiguous: filled when given
         store: ops.NewRows | None = None,  # rows the kernel stores before attending
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,  # merged in (see the kernel)
+        window: int = 0,  # a sliding window (AttentionMetadata.sliding_window)
     ) -> torch.Tensor:  # [B, H, D]: bfloat16 for bfloat16 queries without lse, else float32
         # A bf16 model's plain decode: the kernel widens q and rounds its output itself.
         io_bf16 = query.dtype == torch.bfloat16 and lse is None
@@ -420,5 +469,5 @@ class CpuPagedBackend(TorchRefBackend):
         out = torch.empty_like(q)
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()
-        self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior)
+        self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior, window)
         return out

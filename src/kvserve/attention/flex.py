@@ -51,7 +51,9 @@ class FlexAttentionBackend(AttentionBackend):
         self._attend: Callable[..., torch.Tensor] = (
             torch.compile(flex_attention, dynamic=True) if compiled else eager_flex_attention
         )
-        self._cached_plan: tuple[AttentionMetadata, tuple[object, ...], object] | None = None
+        # The step's plans, newest last: two, for models whose layers alternate between a
+        # sliding window's metadata and the full one (base.with_window).
+        self._cached_plans: list[tuple[AttentionMetadata, tuple[object, ...], object]] = []
 
     def forward(
         self,
@@ -85,18 +87,18 @@ class FlexAttentionBackend(AttentionBackend):
 
     def _plan(self, metadata: AttentionMetadata, kv_cache: LayerKVCache, dtype: torch.dtype):
         """The step's plan, built at the first layer and reused while the model's layers pass
-        the same metadata object."""
+        the same metadata object (or one of the two last: a window's and the full one)."""
         num_blocks, block_size = kv_cache.key.shape[0], kv_cache.key.shape[1]
         layouts = (
             self.choose_layout(kv_cache, dtype, False),
             self.choose_layout(kv_cache, dtype, True),
         )
         key = (num_blocks, block_size, *layouts)
-        cached = self._cached_plan
-        if cached is not None and cached[0] is metadata and cached[1] == key:
-            return cached[2]
+        for cached in self._cached_plans:
+            if cached[0] is metadata and cached[1] == key:
+                return cached[2]
         plan = plan_step(metadata, num_blocks, block_size, *layouts)
-        self._cached_plan = (metadata, key, plan)
+        self._cached_plans = [*self._cached_plans[-1:], (metadata, key, plan)]
         return plan
 
     def _run(

@@ -17,15 +17,21 @@ Where the keys are read from (the call's *layout*):
 One mask function serves every layout and is exact on its own (the eager implementation
 evaluates it on the dense score matrix; the compiled kernels only on partial blocks): slot
 `kv` is visible to row `q` of sequence `b` when its block belongs to `b` and its position in
-`b` is at most the row's position.  Rows past a sequence's query length are padding and see
-nothing.
+`b` is at most the row's position (and, with a sliding window W, more than the row's position
+minus W).  Rows past a sequence's query length are padding and see nothing.
+
+Sliding windows (AttentionMetadata.sliding_window): a sequence's table entries for the blocks
+wholly before its first query row's window may hold any block id, so none of the layouts reads
+them: the paged layouts leave them out of the block map (and the shared layout out of what it
+gathers), the per-sequence layout gathers each row's blocks from its window's first block on.
+The BlockMask lists, per query tile, the blocks of the window alone.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -71,6 +77,15 @@ class _Group:
     query_lens: torch.Tensor  # [B] query rows this step
     starts: torch.Tensor  # [B] flat index of each sequence's first query row
     max_query_len: int  # known on the host: no device sync (a CUDA graph records decodes)
+    window: int = 0  # a sliding window's width (0: full attention)
+
+    def first_columns(self, block_size: int) -> torch.Tensor:
+        """[B]: each sequence's first table column that holds keys its rows may see (the
+        block of its first query row's window's first key; 0 without a window)."""
+        if not self.window:
+            return torch.zeros_like(self.seq_lens)
+        first_key = (self.seq_lens - self.query_lens - self.window + 1).clamp(min=0)
+        return first_key // block_size
 
 
 def plan_step(
@@ -85,11 +100,12 @@ def plan_step(
     built without a host sync or a value-dependent shape in the in-place and per-sequence
     layouts, so a CUDA graph can record it."""
     decode = prefill = None
+    window = metadata.sliding_window
     if metadata.num_decode_tokens:
-        group = _decode_group(metadata)
+        group = replace(_decode_group(metadata), window=window)
         decode = plan_call(group, num_blocks, block_size, decode_layout or layout)
     if metadata.prefills:
-        group = _prefill_group(metadata)
+        group = replace(_prefill_group(metadata), window=window)
         prefill = plan_call(group, num_blocks, block_size, layout, fresh_spans=True)
     return FlexPlan(decode, prefill)
 
@@ -131,12 +147,21 @@ def plan_call(
     if layout == IN_PLACE:
         gather, tables, num_source_blocks = None, group.tables, num_blocks
     elif layout == SHARED:
-        gather, tables = _compact(group.tables, group.seq_lens, block_size)
+        gather, tables = _compact(group, block_size)
         num_source_blocks = len(gather)
     elif layout == PER_SEQUENCE:
-        gather = group.tables
-        batch, width = gather.shape
-        tables = torch.arange(width, device=gather.device).expand(batch, width)
+        batch, width = group.tables.shape
+        columns = torch.arange(width, device=group.tables.device).expand(batch, width)
+        if group.window:
+            # Row b's gathered blocks start at its window's first block (shift_b): table
+            # column c is gathered block c - shift_b; columns past its own blocks read block 0.
+            shift = group.first_columns(block_size)[:, None]
+            source = (columns + shift).clamp(max=width - 1)
+            valid = _valid_columns(group, block_size).gather(1, source) & (columns + shift < width)
+            gather = torch.where(valid, group.tables.gather(1, source), 0)
+            tables = (columns - shift).clamp(min=0)
+        else:
+            gather, tables = group.tables, columns
         num_source_blocks = width
     else:
         raise ValueError(f"unknown flex layout {layout!r}; one of {', '.join(LAYOUTS)}")
@@ -172,44 +197,57 @@ def _rows(group: _Group) -> torch.Tensor:
     return torch.where(is_row, group.starts[:, None] + offsets[None, :], -1)
 
 
-def _compact(
-    tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _compact(group: _Group, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct blocks the tables name (sorted), and the tables renumbered into them."""
-    valid = _valid_columns(tables, seq_lens, block_size)
+    tables = group.tables
+    valid = _valid_columns(group, block_size)
     block_ids, inverse = torch.unique(tables[valid], return_inverse=True)
     renumbered = torch.zeros_like(tables)
     renumbered[valid] = inverse
     return block_ids, renumbered
 
 
-def _valid_columns(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[B, W] bool: which table entries hold the sequence's blocks (the rest is padding)."""
-    num_used = (seq_lens + block_size - 1) // block_size
-    return torch.arange(tables.shape[1], device=tables.device)[None, :] < num_used[:, None]
+def _valid_columns(group: _Group, block_size: int, width: int | None = None) -> torch.Tensor:
+    """[B, width] bool (width: the tables', or theirs padded): which table entries hold blocks
+    the sequence's rows may see (the rest is padding, or blocks wholly before a sliding
+    window: any block id)."""
+    num_used = (group.seq_lens + block_size - 1) // block_size
+    width = group.tables.shape[1] if width is None else width
+    columns = torch.arange(width, device=group.tables.device)[None, :]
+    valid = columns < num_used[:, None]
+    if group.window:
+        valid &= columns >= group.first_columns(block_size)[:, None]
+    return valid
 
 
 def _block_mask(
     group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int, layout: str
 ) -> BlockMask:
-    """Per query tile: table[:full] are seen whole by every row (no mask evaluated), and
-    table[full:visible] in part (the mask decides).  Lists are [B, 1, tiles, W]: one head row,
-    broadcast to all heads."""
+    """Per query tile: table[full_lo:full_hi] are seen whole by every row (no mask
+    evaluated), and table[lo:full_lo] and table[full_hi:hi] in part (the mask decides); without
+    a window, lo = full_lo = 0.  Lists are [B, 1, tiles, W]: one head row, broadcast to all
+    heads."""
     max_len = group.max_query_len
-    full, visible = _tile_block_counts(group, max_len, block_size)
+    lo, full_lo, full_hi, hi = _tile_block_ranges(group, max_len, block_size)
     if tables.device.type == "cpu" and tables.shape[1] < num_source_blocks:
         # Inductor's C++ kernel asserts that the lists could name every KV block.
         tables = torch.nn.functional.pad(tables, (0, num_source_blocks - tables.shape[1]))
     batch, width = tables.shape
-    num_tiles = full.shape[1]
+    num_tiles = lo.shape[1]
     tiles = tables[:, None, :].expand(batch, num_tiles, width)
-    shifted = (full[:, :, None] + torch.arange(width, device=tables.device)).clamp(max=width - 1)
-    partial = torch.gather(tiles, 2, shifted)
+    j = torch.arange(width, device=tables.device)
+    before = (full_lo - lo)[:, :, None]  # partial blocks before the full ones (a window's)
+    partial_columns = torch.where(j < before, lo[:, :, None] + j, full_hi[:, :, None] + j - before)
+    partial = torch.gather(tiles, 2, partial_columns.clamp(max=width - 1))
+    if group.window:
+        full = torch.gather(tiles, 2, (full_lo[:, :, None] + j).clamp(max=width - 1))
+    else:
+        full = tiles
     return BlockMask.from_kv_blocks(
-        (visible - full).to(torch.int32)[:, None],
+        (full_lo - lo + hi - full_hi).to(torch.int32)[:, None],
         partial.to(torch.int32)[:, None],
-        full.to(torch.int32)[:, None],
-        tiles.to(torch.int32)[:, None].contiguous(),
+        (full_hi - full_lo).to(torch.int32)[:, None],
+        full.to(torch.int32)[:, None].contiguous(),
         BLOCK_SIZE=(Q_TILE, block_size),
         mask_mod=_mask_mod(group, tables, num_source_blocks, block_size, layout),
         seq_lengths=(max_len, num_source_blocks * block_size),
@@ -225,35 +263,55 @@ def _mask_mod(
     context = (group.seq_lens - group.query_lens)[:, None]
     positions = torch.where(offsets < group.query_lens[:, None], context + offsets, -1)
     if layout == PER_SEQUENCE:
-        # Row b holds sequence b's keys in order: a key's slot is its position.  (Half the
-        # indexing of the paged mask, which eager FlexAttention evaluates on every score.)
-        return functools.partial(_causal, positions)
-    logical = _logical_block_map(tables, group.seq_lens, num_source_blocks, block_size)
+        # Row b holds sequence b's keys in order: a key's slot is its position (less the
+        # blocks before its window's first).  (Half the indexing of the paged mask, which
+        # eager FlexAttention evaluates on every score.)
+        if not group.window:
+            return functools.partial(_causal, positions)
+        shift = group.first_columns(block_size)[:, None] * block_size
+        return functools.partial(_causal_window, positions - shift, group.window)
+    logical = _logical_block_map(group, tables, num_source_blocks, block_size)
+    if group.window:
+        return functools.partial(_paged_window, logical, positions, block_size, group.window)
     return paged_causal_mask(logical, positions, block_size)
 
 
-def _tile_block_counts(
+def _tile_block_ranges(
     group: _Group, max_len: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, tiles] each: a tile's first row bounds the blocks it sees whole, its last row the
-    blocks it sees at all; tiles of padding rows see none."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, tiles] each, table columns: [lo, hi) the blocks a tile sees at all, [full_lo,
+    full_hi) those it sees whole (every row sees every key); tiles of padding rows see none.
+    Causal alone: a tile's first row bounds the blocks seen whole, its last row the blocks seen
+    at all.  A window starts the blocks seen at the first row's window and those seen whole
+    at the last row's."""
     num_tiles = -(-max_len // Q_TILE)
     first = torch.arange(num_tiles, device=group.tables.device) * Q_TILE
     live = first[None, :] < group.query_lens[:, None]
     last = torch.minimum(first[None, :] + Q_TILE - 1, group.query_lens[:, None] - 1)
     context = (group.seq_lens - group.query_lens)[:, None]
-    full = torch.where(live, (context + first[None, :] + 1) // block_size, 0)
-    visible = torch.where(live, (context + last) // block_size + 1, 0)
-    return full, visible
+    first_position, last_position = context + first[None, :], context + last
+    full_hi = torch.where(live, (first_position + 1) // block_size, 0)
+    hi = torch.where(live, last_position // block_size + 1, 0)
+    if not group.window:
+        zero = torch.zeros_like(hi)
+        return zero, zero, full_hi, hi
+    window = group.window
+    lo = torch.where(live, (first_position - window + 1).clamp(min=0) // block_size, 0)
+    full_lo = torch.where(live, -(-(last_position - window + 1).clamp(min=0) // block_size), 0)
+    none_full = full_lo >= full_hi
+    full_lo = torch.where(none_full, lo, full_lo)
+    full_hi = torch.where(none_full, lo, full_hi)
+    return lo, full_lo, full_hi, hi
 
 
 def _logical_block_map(
-    tables: torch.Tensor, seq_lens: torch.Tensor, num_source_blocks: int, block_size: int
+    group: _Group, tables: torch.Tensor, num_source_blocks: int, block_size: int
 ) -> torch.Tensor:
     """[B, num_source_blocks] int32: each block's index in sequence b's table, -1 where b does
-    not use it.  Padding entries are scattered into an extra column, then cut off."""
+    not use it (or uses it before its window).  Padding entries are scattered into an extra
+    column, then cut off."""
     batch, width = tables.shape
-    column = torch.where(_valid_columns(tables, seq_lens, block_size), tables, num_source_blocks)
+    column = torch.where(_valid_columns(group, block_size, width), tables, num_source_blocks)
     index = torch.arange(width, device=tables.device, dtype=torch.int32).expand(batch, width)
     logical = torch.full(
         (batch, num_source_blocks + 1), -1, dtype=torch.int32, device=tables.device
@@ -280,3 +338,15 @@ def _paged_causal(logical, positions, block_size, b, h, q_idx, kv_idx):
 
 def _causal(positions, b, h, q_idx, kv_idx):
     return kv_idx <= positions[b, q_idx]
+
+
+def _paged_window(logical, positions, block_size, window, b, h, q_idx, kv_idx):
+    block = logical[b, kv_idx // block_size]
+    key_position = block * block_size + kv_idx % block_size
+    position = positions[b, q_idx]
+    return (block >= 0) & (key_position <= position) & (key_position > position - window)
+
+
+def _causal_window(positions, window, b, h, q_idx, kv_idx):
+    position = positions[b, q_idx]
+    return (kv_idx <= position) & (kv_idx > position - window)

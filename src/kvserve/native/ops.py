@@ -158,10 +158,13 @@ class Kernels:
         lse: torch.Tensor | None = None,  # [B, H] float32: each head's log-sum-exp
         new_rows: NewRows | None = None,  # stored at their slots before they are attended
         prior: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, H, D], [B, H] float32
+        window: int = 0,  # a sliding window: each sequence attends its last `window` keys
     ) -> None:
         """csrc/attention/paged_decode.c: each sequence's attention over its blocks, read in
         place; with `prior`, merged with attention over other keys by the log-sum-exps (lse
-        is then not written).  MemoryError when the kernel has no memory for its buffers."""
+        is then not written).  With a `window`, the table entries of the blocks wholly before
+        a sequence's last `window` keys are never read.  MemoryError when the kernel has no
+        memory for its buffers."""
         key, value = cache.key, cache.value
         key_scale, value_scale = cache.key_scale, cache.value_scale
         q_shape, k_shape = query.shape, key.shape
@@ -183,11 +186,13 @@ class Kernels:
             and seq_lens.dtype is _INT64 and seq_lens.shape == (num_seqs,)
             and seq_lens.is_contiguous()
             and (lse is None or _is(lse, _F32, (num_seqs, num_heads)))
+            and 0 <= window < 2**31
         ):  # fmt: skip
             _refuse("paged_decode_attention", "contiguous query and out [B, H, D], float32 or "
                     "bfloat16; caches [blocks, block_size, Hkv, D] (H a multiple of Hkv) and "
                     "float32 scales [blocks, block_size, Hkv]; int64 tables [B, n] and lengths "
-                    "[B]; float32 lse [B, H]", query=query, out=out, key=key, value=value,
+                    "[B]; float32 lse [B, H]; a window >= 0", query=query, out=out, key=key,
+                    value=value,
                     key_scale=key_scale, value_scale=value_scale, block_tables=block_tables,
                     seq_lens=seq_lens, lse=lse)  # fmt: skip
         args = PagedDecodeArgs(
@@ -198,7 +203,7 @@ class Kernels:
             kind=kind, num_seqs=num_seqs, max_blocks=block_tables.shape[1],
             num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, dim=dim,
             block_size=key.shape[1], sm_scale=scale, num_threads=torch.get_num_threads(),
-            io_bf16=query.dtype == _BF16,
+            io_bf16=query.dtype == _BF16, sliding_window=window,
         )  # fmt: skip
         if new_rows is not None:
             _set_new_rows(args, new_rows, key)

@@ -42,6 +42,7 @@ class PagedDecodeArgs(ctypes.Structure):
         ("sm_scale", _F32),
         ("num_threads", _I32),
         ("io_bf16", _I32),
+        ("sliding_window", _I32),
     ]
 
 

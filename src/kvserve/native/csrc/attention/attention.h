@@ -25,6 +25,7 @@ typedef struct {
     int kind, num_seqs, max_blocks, num_kv_heads, group, dim, block_size;
     float sm_scale;
     int num_threads, io_bf16;
+    int sliding_window;      /* 0, or W: each sequence attends its last W keys alone */
 } paged_decode_args;
 
 int paged_decode_attention(const paged_decode_args *args);

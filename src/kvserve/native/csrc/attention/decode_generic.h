@@ -207,12 +207,14 @@ static inline void block_rows(const void *cache, const float *scales, int kind, 
     }
 }
 
-/* One sequence, all its heads, one pass over its blocks with an online softmax.
+/* One sequence, all its heads, one pass over its blocks with an online softmax: the keys
+ * at positions skip .. seq_len - 1 of the blocks in `table` (skip < block_size: a sliding
+ * window that starts inside the table's first block; 0 otherwise).
  * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
 static void attend_sequence(const float *q, float *out, const void *key, const void *value,
                             const float *key_scale, const float *value_scale, const float *lut,
                             int kind, int elem_bytes, const int64_t *table, int64_t seq_len,
-                            int num_kv_heads, int group, int dim, int block_size,
+                            int skip, int num_kv_heads, int group, int dim, int block_size,
                             float sm_scale, float *work, float *lse) {
     const int num_heads = num_kv_heads * group;
     const int64_t block_bytes = (int64_t)block_size * num_kv_heads * dim * elem_bytes;
@@ -230,9 +232,10 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
             prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
             prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
         }
-        int64_t first_slot = table[b] * block_size;
+        const int lo = b == 0 ? skip : 0; /* rows before the window's first key */
+        int64_t first_slot = table[b] * block_size + lo;
         int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
-                                                                : block_size);
+                                                                : block_size) - lo;
         for (int h = 0; h < num_kv_heads; h++) {
             block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
                        key_buf, key_rows);

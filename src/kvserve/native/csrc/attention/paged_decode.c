@@ -18,6 +18,10 @@
  *   lse            [num_seqs, num_kv_heads * group] float32 or NULL: each head's log-sum-exp
  *                  of its scaled scores, to merge this part of the keys with another
  *                  (attention/shared_prefix.py)
+ *   sliding_window 0, or W > 0: a sequence of seq_len keys attends those at positions
+ *                  max(0, seq_len - W) .. seq_len - 1 alone.  Its table's entries for the
+ *                  blocks wholly before them may hold any block id (a window's KV group frees
+ *                  those blocks): they are never read, not even prefetched (window_start)
  *
  * One path per instruction set, each in a part of its own, included here in this order (one
  * translation unit, so that the compiler inlines across them):
@@ -115,6 +119,19 @@ static void merge_prior(float *out, const float *prior, const float *prior_lse, 
     }
 }
 
+/* Where a sequence's attended keys start under a sliding window: its table past the blocks
+ * wholly before the window (*table advanced, *len the keys from the first block it keeps),
+ * and the rows of that first block before the window (0 without one, or where the window
+ * starts on a block boundary).  The fast paths take the sequences with no such rows; a
+ * window that starts inside a block takes attend_sequence, which skips them. */
+static inline int window_start(int window, int block_size, const int64_t **table, int64_t *len) {
+    if (window <= 0 || *len <= window) return 0;
+    const int64_t first = *len - window, blocks = first / block_size;
+    *table += blocks;
+    *len -= blocks * block_size;
+    return (int)(first - blocks * block_size);
+}
+
 /* Dynamic scheduling by hand, in shrinking chunks (as schedule(guided)): a thread takes a
  * quarter of its share of what is left at once, down to one sequence at the end.  One atomic
  * add a sequence moved the counter's cache line between the cores 128 times a layer: ~1/6 of
@@ -159,7 +176,7 @@ int paged_decode_attention(const paged_decode_args *args) {
     int block_size = args->block_size, num_threads = args->num_threads;
     float sm_scale = args->sm_scale;
     float *lse = args->lse;
-    int io_bf16 = args->io_bf16;
+    int io_bf16 = args->io_bf16, window = args->sliding_window;
     const void *new_key = args->new_key, *new_value = args->new_value;
     int64_t new_key_stride_bytes = args->new_key_stride_bytes;
     int64_t new_value_stride_bytes = args->new_value_stride_bytes;
@@ -222,30 +239,33 @@ int paged_decode_attention(const paged_decode_args *args) {
             }
             float *seq_lse = prior_out ? own_lse : lse ? lse + (int64_t)seq * num_heads : NULL;
             if (new_key) store_new_rows(&rows, seq, key, value);
+            const int64_t *table = block_tables + (int64_t)seq * max_blocks;
+            int64_t seq_len = seq_lens[seq];
+            const int skip = window_start(window, block_size, &table, &seq_len);
 #if HAVE_BF16_DOT
-            if (fast && is_bf16_exact(q, num_heads * dim)) {
+            if (fast && skip == 0 && is_bf16_exact(q, num_heads * dim)) {
                 next_sequence next = {NULL, 0, 0};
-                if (following < num_seqs)
-                    next = next_sequence_of(block_tables + (int64_t)following * max_blocks,
-                                            seq_lens[following], block_size, rows.row_bytes);
+                if (following < num_seqs) {
+                    const int64_t *next_table = block_tables + (int64_t)following * max_blocks;
+                    int64_t next_len = seq_lens[following];
+                    window_start(window, block_size, &next_table, &next_len);
+                    next = next_sequence_of(next_table, next_len, block_size, rows.row_bytes);
+                }
 #if DECODE_HAS_AMX
                 if (amx)
-                    attend_sequence_amx(q, o, key, value, key_scale, value_scale, kind,
-                                        block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
-                                        num_kv_heads, group, dim, block_size, sm_scale, work,
-                                        seq_lse, next);
+                    attend_sequence_amx(q, o, key, value, key_scale, value_scale, kind, table,
+                                        seq_len, num_kv_heads, group, dim, block_size, sm_scale,
+                                        work, seq_lse, next);
                 else
 #endif
-                attend_sequence_fast(q, o, key, value, key_scale, value_scale, kind,
-                                     block_tables + (int64_t)seq * max_blocks, seq_lens[seq],
-                                     num_kv_heads, group, dim, block_size, sm_scale, work, seq_lse,
-                                     next);
+                attend_sequence_fast(q, o, key, value, key_scale, value_scale, kind, table,
+                                     seq_len, num_kv_heads, group, dim, block_size, sm_scale,
+                                     work, seq_lse, next);
             } else
 #endif
                 attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind,
-                                element_bytes(kind), block_tables + (int64_t)seq * max_blocks,
-                                seq_lens[seq], num_kv_heads, group, dim, block_size, sm_scale,
-                                work, seq_lse);
+                                element_bytes(kind), table, seq_len, skip, num_kv_heads, group,
+                                dim, block_size, sm_scale, work, seq_lse);
             if (prior_out)
                 merge_prior(o, prior_out + head0, prior_lse + (int64_t)seq * num_heads, own_lse,
                             num_heads, dim);
