@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvserve.kv.spec import (
     DTYPE_BYTES,
     SCALE_BYTES_PER_TOKEN_HEAD,
+    blocks_kept,
     cdiv,
     kv_cache_spec,
     kv_heads_per_rank,
@@ -47,15 +48,9 @@ class LayerGroup:
         return num_tokens if self.window is None else min(num_tokens, self.window)
 
     def num_blocks_kept(self, num_tokens: int) -> int:
-        """Blocks a sequence of ``num_tokens`` holds in this group.
-
-        A window of W tokens rarely starts on a block boundary, so it can straddle
-        ceil((W - 1) / block_size) + 1 blocks; older blocks are freed as the window moves.
-        """
-        blocks = cdiv(num_tokens, self.block_size)
-        if self.window is None:
-            return blocks
-        return min(blocks, cdiv(self.window - 1, self.block_size) + 1)
+        """Blocks a sequence of ``num_tokens`` holds in this group: the engine's count
+        (kv/spec.py blocks_kept: a window straddles ceil((W - 1) / block_size) + 1 blocks)."""
+        return blocks_kept(self.window or 0, num_tokens, self.block_size)
 
 
 @dataclass(frozen=True)
