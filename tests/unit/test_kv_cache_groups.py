@@ -128,3 +128,41 @@ def test_fork_shares_every_group_and_copies_on_write():
     cm.free("a")
     cm.free("b")
     assert cm.num_free_blocks == 64
+
+
+GEMMA3_SHAPED = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_engine_accounting_of_a_gemma3_shaped_model_equals_the_planners():
+    """The engine's spec (kv_cache_groups over the layers' windows) and `kvserve plan`'s
+    layout give the same bytes per sequence; the windows let 4.5x the sequences fit."""
+    from kvserve.planner.layers import kv_layout
+    from kvserve.planner.model import LayerKind
+    from kvserve.planner.readers import shape_from_hf_config
+
+    shape = shape_from_hf_config(GEMMA3_SHAPED, "gemma3-shaped", "test")
+    layout = kv_layout(shape, "auto", BS)
+    windows = [512 if kind is LayerKind.SLIDING else 0 for kind in shape.kinds]
+    assert windows == ([512] * 5 + [0]) * 2
+    spec = kv_cache_spec(12, 1, 256, "auto", "bfloat16", BS, layer_windows=windows)
+    assert len(spec.groups) == 6 and spec.layers_per_block == 2
+    assert spec.bytes_per_sequence(8192) == layout.block_bytes_per_sequence(8192)
+    all_full = kv_cache_spec(12, 1, 256, "auto", "bfloat16", BS, layer_windows=[0] * 12)
+    budget = 2 * 2**30
+    ratio = spec.num_blocks_in(budget) / spec.num_blocks_for_tokens(8192)
+    ratio /= all_full.num_blocks_in(budget) / all_full.num_blocks_for_tokens(8192)
+    assert ratio >= 3
