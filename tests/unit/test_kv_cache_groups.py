@@ -166,3 +166,28 @@ def test_engine_accounting_of_a_gemma3_shaped_model_equals_the_planners():
     ratio = spec.num_blocks_in(budget) / spec.num_blocks_for_tokens(8192)
     ratio /= all_full.num_blocks_in(budget) / all_full.num_blocks_for_tokens(8192)
     assert ratio >= 3
+
+
+def test_hybrid_prefix_found_in_the_host_tier_is_loaded_into_each_group():
+    cm = KVCacheManager(32, BS, groups=kv_cache_groups([WINDOW, 0]), num_host_blocks=32)
+    shared = list(range(160))
+    run_prompt(cm, "a", shared + [1000 + i for i in range(40)])
+    cm.free("a")
+    cm.take_host_transfers()
+    # Another request takes every device block: a's cached blocks are evicted to the host.
+    run_prompt(cm, "x", [5000 + i for i in range(32 * BS // 2)])
+    offloads = cm.take_host_transfers().offloads
+    assert len(offloads) == 24  # the 12 full (cached) blocks of each group
+    cm.free("x")
+    b = make_request(cm, "b", shared + [2000 + i for i in range(40)])
+    cached = cm.find_cached_prefix(b)
+    kept = first_kept_block(WINDOW, 160, BS)
+    assert cached.num_tokens == 160 and len(cached.host_entries) == 10 + (10 - kept)
+    assert cached.num_host_tokens == 160
+    assert cm.allocate_slots("b", 160, 40, cached) is not None
+    loads = cm.take_host_transfers().loads
+    assert len(loads) == 10 + (10 - kept)
+    [window] = cm.group_block_tables("b")
+    assert window[:kept] == [NULL_BLOCK] * kept and min(window[kept:]) >= 0
+    assert min(cm.block_table("b")) >= 0
+    cm.check_invariants()

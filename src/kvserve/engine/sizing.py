@@ -124,12 +124,10 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> K
 
 
 def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
-    """ParameterError for a flag that KV cache groups do not serve yet: the host tier and the
-    block log (KV events, the prefix store) follow one full-attention group's tables."""
-    windowed = any(g.window for g in spec.groups)
+    """ParameterError for a flag that several KV cache groups do not serve yet: the block log
+    (KV events, the prefix store) follows group 0's tables."""
     several = len(spec.groups) > 1
     refused = [
-        ("--kv-offloading-size", cache.kv_offloading_size is not None and windowed),
         ("--prefix-cache-dir", bool(cache.prefix_cache_dir) and several),
         ("--kv-events-config", cache.kv_events is not None and several),
     ]

@@ -55,6 +55,7 @@ from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.events import KVEvent
 from kvserve.kv.groups import (
+    HOST_HIT,
     NULL_BLOCK,
     first_kept_block,
     group_key,
@@ -93,6 +94,9 @@ class CachedPrefix:
     host_contents: tuple[int, ...] = ()
     # The other groups' tables of the prefix (NULL_BLOCK before a window): one per group 1..
     other_groups: tuple[list[int], ...] = ()
+    # With several groups or a window: the hits held by the host tier, (group, block index,
+    # key), their table entries HOST_HIT until allocate_slots loads them.
+    host_entries: tuple[tuple[int, int, bytes], ...] = ()
 
     def tables(self, num_groups: int) -> list[list[int]]:
         """Every group's table of the prefix (empty ones without a hit)."""
@@ -101,10 +105,7 @@ class CachedPrefix:
 
     def held_block_ids(self) -> list[int]:
         """The device blocks the prefix holds, every group's."""
-        held = list(self.block_ids)
-        for table in self.other_groups:
-            held.extend(b for b in table if b != NULL_BLOCK)
-        return held
+        return [b for t in (self.block_ids, *self.other_groups) for b in t if b >= 0]
 
     @property
     def num_blocks(self) -> int:
@@ -112,6 +113,10 @@ class CachedPrefix:
 
     @property
     def num_host_tokens(self) -> int:
+        """Tokens of the prefix that the host tier supplies (group 0's count)."""
+        if self.host_entries:
+            num_host = sum(1 for group, _, _ in self.host_entries if group == 0)
+            return self.num_tokens * num_host // len(self.block_ids)
         return self.num_tokens * len(self.host_keys) // self.num_blocks if self.host_keys else 0
 
 
@@ -227,16 +232,29 @@ class KVCacheManager:
         """The longest prefix of `keys` that every group holds, in the pool or among the
         blocks computed in this step (`in_flight`), with each group's table of it."""
 
+        host = self.host
+
         def lookup(group: int, index: int) -> int | None:
             key = group_key(keys[index], group)
             block_id = self.pool.lookup(key)
-            return in_flight.get(key) if block_id is None else block_id
+            if block_id is None:
+                block_id = in_flight.get(key)
+            if block_id is None and host is not None and key in host:
+                return HOST_HIT
+            return block_id
 
         num_blocks = hit_length(self.windows, len(keys), self.block_size, lookup)
         if not num_blocks:
             return NO_PREFIX
         tables = prefix_tables(self.windows, num_blocks, self.block_size, lookup)
-        return CachedPrefix(tables[0], num_blocks * self.block_size, other_groups=tuple(tables[1:]))
+        host_entries = tuple(
+            (group, index, group_key(keys[index], group))
+            for group, table in enumerate(tables)
+            for index, block_id in enumerate(table)
+            if block_id == HOST_HIT
+        )
+        return CachedPrefix(tables[0], num_blocks * self.block_size,
+                            other_groups=tuple(tables[1:]), host_entries=host_entries)  # fmt: skip
 
     def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         """The leading keys held by the host tier (and not on the device: a block after a
@@ -332,7 +350,7 @@ class KVCacheManager:
             self._free_out_of_window(tables, num_computed_tokens)
         grown = tables if tables is not None else cached.tables(self.num_groups)
         num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
-        num_host = len(cached.host_keys)
+        num_host = len(cached.host_keys) + len(cached.host_entries)
         num_new_blocks = [max(0, num_needed - len(t) - (num_host if g == 0 else 0))
                           for g, t in enumerate(grown)]  # fmt: skip
         shared = [self._shared_block_index(t, num_computed_tokens) for t in grown]
@@ -348,7 +366,7 @@ class KVCacheManager:
                 self._copy_on_write(table, index)
         loaded = self._load_from_host(cached)
         grown[0].extend(loaded)
-        new_block_ids = list(loaded)
+        new_block_ids = loaded + self._load_group_hits(cached, grown)
         for table, num in zip(grown, num_new_blocks, strict=True):
             allocated = self.pool.allocate(num)
             table.extend(allocated)
@@ -389,12 +407,28 @@ class KVCacheManager:
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
 
+    def _load_group_hits(self, cached: CachedPrefix, tables: list[list[int]]) -> list[int]:
+        """_load_from_host for the groups' hits: each HOST_HIT entry of `tables` becomes a
+        fresh device block, cached again under its key, its copy queued."""
+        entries = cached.host_entries
+        if not entries:
+            return []
+        assert self.host is not None
+        self.host.pin([key for _, _, key in entries])
+        block_ids = self.pool.allocate(len(entries))
+        for (group, index, key), block_id in zip(entries, block_ids, strict=True):
+            stored = self.pool.cache(block_id, key)
+            assert stored, "a host-tier hit was cached on the device meanwhile"
+            self.host.load(key, block_id)
+            tables[group][index] = block_id
+        return block_ids
+
     def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
         """Index in `table` of the block the next token goes into, if other tables share it."""
         index = num_computed_tokens // self.block_size
         if (
             index < len(table)
-            and table[index] != NULL_BLOCK
+            and table[index] >= 0
             and self.pool.blocks[table[index]].ref_cnt > 1
         ):
             return index

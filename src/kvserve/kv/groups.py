@@ -27,6 +27,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 
 NULL_BLOCK = -1  # a window group's entry for a block freed out of the window
+HOST_HIT = -2  # a cached prefix's entry for a block the host tier holds (loaded on allocation)
 
 # (group, logical block index) -> the block id holding it, or None
 BlockLookup = Callable[[int, int], int | None]
