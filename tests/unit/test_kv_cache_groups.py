@@ -191,3 +191,14 @@ def test_hybrid_prefix_found_in_the_host_tier_is_loaded_into_each_group():
     assert window[:kept] == [NULL_BLOCK] * kept and min(window[kept:]) >= 0
     assert min(cm.block_table("b")) >= 0
     cm.check_invariants()
+
+
+def test_a_chunk_is_cut_to_what_the_pool_holds_under_a_window():
+    """A 20-block pool holds a whole sequence of a window-32 model (3 blocks), but not a
+    512-token chunk of it (32 blocks until the next step frees them): the chunk is cut."""
+    cm = KVCacheManager(20, BS, groups=kv_cache_groups([WINDOW]))
+    assert cm.chunk_limit(0, 512) == 256  # 16 blocks
+    assert cm.chunk_limit(256, 256) == 256  # blocks 14..31: 18
+    assert cm.chunk_limit(100, 1) == 1
+    full = KVCacheManager(20, BS)
+    assert full.chunk_limit(0, 320) == 320  # a full group: a sequence that fits, fits

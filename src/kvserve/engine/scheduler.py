@@ -124,6 +124,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.cache_manager.chunk_limit(request.num_computed_tokens, num_new)
             if not self._allocate_or_preempt(request, num_new, done, preempted):
                 continue
             scheduled.append(self._scheduled(request, num_new))
@@ -178,7 +179,7 @@ class Scheduler:
                 cached = cm.find_cached_prefix(request)
                 cached = cm.extend_with_in_flight(request, cached, in_flight)
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = cm.chunk_limit(num_computed, min(request.num_tokens - num_computed, budget))
             own_growth = self._growth_blocks(request, cm.blocks_needed(num_computed + num_new))
             reserve = math.ceil(self.growth_reserve * (growth + own_growth)) if self.running else 0
             if (

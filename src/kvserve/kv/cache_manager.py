@@ -322,6 +322,23 @@ class KVCacheManager:
         """Blocks a sequence of `num_tokens` tokens holds at most, every group's."""
         return sum(blocks_kept(w, num_tokens, self.block_size) for w in self.windows)
 
+    def chunk_limit(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """`num_new_tokens`, or fewer where computing that many at once would hold more blocks
+        than the pool has: a window group holds every block of a chunk until the next step
+        frees those that left its window, so a long chunk can need more than the whole
+        sequence does (without this a request could wait forever)."""
+        while num_new_tokens > self.block_size and (
+            self._peak_blocks(num_computed_tokens, num_new_tokens) > self.pool.num_blocks
+        ):
+            num_new_tokens //= 2
+        return num_new_tokens
+
+    def _peak_blocks(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        end = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        return sum(
+            end - first_kept_block(w, num_computed_tokens, self.block_size) for w in self.windows
+        )
+
     def tokens_held(self, request_id: str, num_computed_tokens: int) -> int:
         """Computed tokens the request's blocks hold, summed over groups (a window group's
         freed blocks hold none): the numerator of the KV waste figure."""
