@@ -1,0 +1,81 @@
+"""Sliding-window and hybrid models through the whole engine, KV cache groups included
+(kv/groups.py): transformers' greedy tokens from every backend that serves them, with chunked
+prefill, preemption, and prefix hits on a shared prefix longer than the window."""
+
+from __future__ import annotations
+
+import pytest
+from test_new_architectures import NEW_TOKENS, PROMPT, WINDOW, reference, tiny  # noqa: F401
+
+from kvserve import LLM, SamplingParams
+from kvserve.kv.groups import NULL_BLOCK
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def make_llm(directory, **kwargs) -> LLM:
+    options = dict(kv_cache_memory=8 * 2**20, max_model_len=512, dtype="float32")
+    return LLM(str(directory), **{**options, **kwargs})
+
+
+@pytest.mark.parametrize("backend", ["cpu-paged", "flex"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_every_backend_gives_transformers_tokens_in_chunks(tiny, reference, arch, backend):
+    """A 200-token prompt in 48-token chunks (chunks after cached context, past the window),
+    then 64 decodes: each group's tables, the window's freed blocks and the backend's window
+    together give transformers' tokens."""
+    directory, _ = tiny(arch)
+    llm = make_llm(directory, attention_backend=backend, max_num_batched_tokens=48)
+    groups = llm.engine.sizing.spec.groups
+    assert len(groups) == (6 if arch == "gemma3" else 1)
+    assert all(g.window == WINDOW for g in groups[1:])
+    assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == reference(arch)
+    llm.engine.cache_manager.check_invariants()
+    assert llm.engine.cache_manager.num_free_blocks == llm.engine.sizing.num_blocks
+
+
+def test_window_blocks_are_freed_while_decoding(tiny):
+    """Mid-decode, a window group holds only the blocks of its window; a full group all."""
+    directory, _ = tiny("gemma3")
+    llm = make_llm(directory)
+    engine = llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=32))
+    for _ in range(20):
+        engine.step()
+    cm = engine.cache_manager
+    full, windows = cm.block_table("r"), cm.group_block_tables("r")
+    assert len(windows) == 5 and NULL_BLOCK not in full
+    for table in windows:
+        held = [b for b in table if b != NULL_BLOCK]
+        assert len(held) <= -(-(WINDOW - 1) // 16) + 1 < len(full)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_preempted_hybrid_requests_recompute_to_the_same_tokens(tiny, reference):
+    """60 blocks of one layer each: four 264-token sequences need 37 blocks each, so the
+    scheduler preempts; every output is still transformers'."""
+    directory, _ = tiny("gemma3")
+    block_bytes = 16 * 2 * 2 * 32 * 4  # tokens x K/V x KV heads x head_dim x float32
+    llm = make_llm(directory, kv_cache_memory=60 * block_bytes, max_model_len=264,
+                   enable_prefix_caching=False)  # fmt: skip
+    outputs = llm.generate([PROMPT] * 4, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [reference("gemma3")] * 4
+
+
+def test_shared_prefix_hits_for_every_request_after_the_first(tiny):
+    """W3's shape on a Gemma-3-shaped model: 8 prompts sharing 4 windows of prefix, sent at
+    once: every request after the first finds cached tokens (computed in the same step or
+    before), and the outputs equal those with prefix caching off."""
+    directory, _ = tiny("gemma3")
+    prefix = PROMPT[: 4 * WINDOW]
+    prompts = [prefix + [100 + 37 * i + j for j in range(16)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cached = make_llm(directory).generate(prompts, params)
+    assert all(o.num_cached_tokens > 0 for o in cached[1:])
+    assert cached[0].num_cached_tokens == 0
+    uncached = make_llm(directory, enable_prefix_caching=False).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+    again = make_llm(directory).generate(prompts[:1] * 2, params)  # a later, sequential hit
+    assert again[1].num_cached_tokens >= 4 * WINDOW - 16
