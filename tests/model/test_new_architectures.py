@@ -13,11 +13,13 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from helpers import forward_logits, hf_greedy, make_cache
+from test_formats_agree import assert_common_fields_agree
 
 from kvserve import LLM, SamplingParams
 from kvserve.evaluation.paged import Piece
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import ModelLoadError, load_checkpoint
+from kvserve.planner.readers import load_model_shape
 
 WINDOW = 48
 NEW_TOKENS = 64
@@ -145,6 +147,12 @@ def test_configs_read_from_config_json(tiny):
     assert mistral.max_position_embeddings == 1024
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral"])
+def test_loader_and_planner_agree(tiny, arch):
+    directory = str(tiny(arch)[0])
+    assert_common_fields_agree(load_checkpoint(directory).config, load_model_shape(directory))
+
+
 def test_compiled_layers_match_eager(tiny):
     """The engine's default path (torch.compile of the layers) computes Gemma's math too."""
     model = from_checkpoint(tiny("gemma3")[0])
@@ -233,8 +241,11 @@ def write_gguf(path, hf_model, arch: str) -> None:
 
 
 def _gguf_name(hf_name: str, arch: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight",
-             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -242,14 +253,16 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES.get(module) or _NORMS[arch][module]}.{kind}"
 
 
-@pytest.mark.parametrize(("arch", "gguf_arch"),
-                         [("qwen3", "qwen3"), ("gemma3", "gemma3"), ("mistral", "llama")])
+@pytest.mark.parametrize(
+    ("arch", "gguf_arch"), [("qwen3", "qwen3"), ("gemma3", "gemma3"), ("mistral", "llama")]
+)
 def test_gguf_gives_the_same_tokens(tmp_path, tiny, reference, arch, gguf_arch):
     directory, hf = tiny(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(path, hf, gguf_arch)
     from_gguf = load_checkpoint(str(path)).config
     from_hf = load_checkpoint(str(directory)).config
+    assert_common_fields_agree(from_gguf, load_model_shape(str(path)), skip=("torch_dtype",))
     for name in ("layer_types", "sliding_window", "qk_norm", "gemma_norms", "rope_theta",
                  "rope_local_base_freq", "query_pre_attn_scalar", "embedding_multiplier",
                  "tie_word_embeddings", "head_dim"):  # fmt: skip

@@ -30,7 +30,12 @@ from gguf.quants import dequantize
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
 from kvserve.formats import FormatError, build
-from kvserve.formats.gguf_metadata import GGUFFields, open_gguf, read_gguf_metadata
+from kvserve.formats.gguf_metadata import (
+    DEFAULT_SLIDING_WINDOW_PATTERNS,
+    GGUFFields,
+    open_gguf,
+    read_gguf_metadata,
+)
 from kvserve.models.checkpoint import fuse_layer_weights, to_tensor
 from kvserve.models.converted_cache import load_converted
 from kvserve.models.paths import ModelLoadError
@@ -64,7 +69,6 @@ _GEMMA3_PIECES = {
     "ffn_norm": "pre_ffn_norm",
     "post_ffw_norm": "post_ffn_norm",
 }
-GEMMA3_SLIDING_WINDOW_PATTERN = 6  # llama.cpp's for gemma3
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # llama.cpp's for gemma3
 
 
@@ -119,12 +123,12 @@ def read_gguf_config(fields: GGUFFields) -> ModelConfig:
 
 def _layer_types(fields: GGUFFields, arch: str, num_layers: int) -> tuple[str, ...]:
     """Which layers slide: `{arch}.attention.sliding_window_pattern` where written (an int n:
-    every n-th layer is global; a list: one bool per layer, true = sliding), else gemma3's
-    fixed pattern, else every layer."""
+    every n-th layer is global; a list: one bool per layer, true = sliding), else the one
+    llama.cpp fixes for the architecture (gemma3: 6), else every layer."""
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = fields.get(key)
     if pattern is None:
-        pattern = GEMMA3_SLIDING_WINDOW_PATTERN if arch == "gemma3" else None
+        pattern = DEFAULT_SLIDING_WINDOW_PATTERNS.get(arch)
     if pattern is None:
         sliding = [True] * num_layers
     elif isinstance(pattern, list):
