@@ -273,13 +273,29 @@ def test_gguf_gives_the_same_tokens(tmp_path, tiny, reference, arch, gguf_arch):
 
 
 def test_logit_softcapping_is_refused(tmp_path, tiny):
+    capped = _edited_copy(tmp_path, tiny("gemma3")[0], final_logit_softcapping=30.0)
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping"):
+        load_checkpoint(str(capped))
+
+
+def _edited_copy(tmp_path, directory, **changes):
     import json
     import shutil
 
-    directory = tmp_path / "capped"
-    shutil.copytree(tiny("gemma3")[0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["final_logit_softcapping"] = 30.0
-    (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="final_logit_softcapping"):
-        load_checkpoint(str(directory))
+    copy = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(directory, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **changes}))
+    return copy
+
+
+def test_unserved_configs_are_refused_by_name(tmp_path, tiny):
+    directory = tiny("gemma3")[0]
+    multimodal = _edited_copy(tmp_path, directory, architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'Gemma3ForConditionalGen"):
+        load_checkpoint(str(multimodal))
+    short = _edited_copy(tmp_path, directory, layer_types=["full_attention"])
+    with pytest.raises(
+        ModelLoadError, match="'layer_types' lists 1 layers; num_hidden_layers is 6"
+    ):
+        load_checkpoint(str(short))
