@@ -22,6 +22,8 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The MLP gate activations the model runs (Hugging Face's names): SiLU, and Gemma's tanh GELU.
+HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 # Lowest top-1 agreement of the 8-bit KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
@@ -68,6 +70,19 @@ class ModelConfig(TransformerShape):
     # every layer is "sliding_attention" when sliding_window is set, else "full_attention".
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
+    # Qwen3 and Gemma 3: an RMSNorm over each query and key head (weights [head_dim]), after
+    # the projection and before RoPE.
+    qk_norm: bool = False
+    # Gemma: every RMSNorm scales by (1 + weight) in float32 (the weights as Hugging Face
+    # stores them), and the layers add a norm after attention and one on each side of the MLP.
+    gemma_norms: bool = False
+    hidden_activation: str = "silu"  # the MLP's gate activation: one of HIDDEN_ACTIVATIONS
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size), in the model's dtype
+    # The attention scale is query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # The sliding-window layers' RoPE base, with default RoPE (Gemma 3's rope_local_base_freq);
+    # None: every layer uses rope_theta and rope_scaling.
+    rope_local_base_freq: float | None = None
 
     def layer_windows(self) -> tuple[int, ...]:
         """Each layer's attention window in tokens, 0 for full attention."""
@@ -82,6 +97,24 @@ class ModelConfig(TransformerShape):
                 f"the model's num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise UserInputError(
+                f"the model's layer_types lists {len(self.layer_types)} layers; it has "
+                f"{self.num_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise UserInputError(
+                f"unsupported layer type(s) {', '.join(map(repr, unknown))}; supported: "
+                f"{', '.join(LAYER_TYPES)}"
+            )
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            raise UserInputError(
+                f"unsupported hidden activation {self.hidden_activation!r}; supported: "
+                f"{', '.join(HIDDEN_ACTIVATIONS)}"
+            )
+        if self.sliding_window < 0:
+            raise UserInputError(f"sliding_window must be >= 0, got {self.sliding_window}")
 
 
 @dataclass(frozen=True)

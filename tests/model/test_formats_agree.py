@@ -11,6 +11,7 @@ import pytest
 from kvserve.formats.gguf_metadata import GGUFFields, open_gguf
 from kvserve.models.gguf_loader import read_gguf_config
 from kvserve.models.loader import embedded_model_path, load_checkpoint
+from kvserve.planner.model import LayerKind
 from kvserve.planner.readers import load_model_shape
 
 
@@ -19,8 +20,14 @@ def assert_common_fields_agree(config: Any, shape: Any, skip: tuple[str, ...] = 
     "llama", the planner shows it as written) and `skip`."""
     common = {f.name for f in fields(config)} & {f.name for f in fields(shape)}
     assert {"num_kv_heads", "attention_bias", "tie_word_embeddings"} <= common
-    for name in sorted(common - {"architecture", *skip}):
+    for name in sorted(common - {"architecture", "sliding_window", *skip}):
         assert getattr(config, name) == getattr(shape, name), name
+    # The planner keeps the window as written (None: none), the loader the one it attends
+    # with (0: none); both agree on each layer's.
+    planner = tuple(
+        shape.sliding_window if kind == LayerKind.SLIDING else 0 for kind in shape.layer_kinds
+    )
+    assert config.layer_windows() == (planner or (0,) * config.num_layers)
 
 
 def test_embedded_gguf_reads_the_same_in_loader_and_planner() -> None:

@@ -161,8 +161,11 @@ def test_sliding_window_turned_off_by_use_sliding_window() -> None:
     config = {**BASE, "model_type": "qwen2", "max_position_embeddings": 32768}
     loaded, shape = _both({**config, "sliding_window": 4096, "use_sliding_window": False})
     assert loaded.max_position_embeddings == shape.max_position_embeddings == 32768
-    loaded = model_config_from_hf({**config, "sliding_window": 4096})
-    assert loaded.max_position_embeddings == 4096  # the engine attends within the window only
+    assert loaded.sliding_window == 0 and loaded.layer_windows() == (0, 0)
+    loaded = model_config_from_hf({**config, "sliding_window": 4096, "max_window_layers": 1})
+    # The context is no longer capped at the window: the sliding layers attend within it.
+    assert loaded.max_position_embeddings == 32768
+    assert loaded.layer_windows() == (0, 4096)  # Qwen2 slides from max_window_layers on
 
 
 def test_format_error_is_user_input() -> None:

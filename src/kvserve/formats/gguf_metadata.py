@@ -14,6 +14,10 @@ from typing import Any
 
 from kvserve.formats import FormatError
 
+# The layer pattern llama.cpp fixes for an architecture whose converter writes none
+# ({arch}.attention.sliding_window_pattern): every n-th layer is global, the others slide.
+DEFAULT_SLIDING_WINDOW_PATTERNS = {"gemma3": 6}
+
 # GGUFMetadata fields that some files lack, and the key each comes from (after "{arch}.").
 _OPTIONAL_KEYS = {
     "intermediate_size": "feed_forward_length",

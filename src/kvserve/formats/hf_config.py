@@ -138,8 +138,11 @@ def _shape_fields(field: FieldReader) -> dict[str, int]:
 
 
 def _rope_fields(field: FieldReader) -> dict[str, Any]:
-    """RoPE base and scaling; transformers >= 5 folds both into `rope_parameters`."""
+    """RoPE base and scaling; transformers >= 5 folds both into `rope_parameters`, per layer
+    type for models whose local layers have their own (Gemma 3: the full layers' here)."""
     rope = field.mapping("rope_parameters") or {}
+    if isinstance(rope.get("full_attention"), Mapping):
+        rope = rope["full_attention"]
     scaling = field.mapping("rope_scaling") or None
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = rope

@@ -85,6 +85,7 @@ def _read(directory: Path) -> Converted | None:
     try:
         fields = json.loads((directory / _CONFIG).read_text())
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+        fields["layer_types"] = tuple(fields.get("layer_types", ()))
         config = ModelConfig(**fields)
         weights = load_file(directory / _WEIGHTS)
     except (OSError, ValueError, TypeError, KeyError, SafetensorError) as exc:

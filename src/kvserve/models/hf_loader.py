@@ -25,6 +25,12 @@ _LAYER_PIECES = {
     "mlp.down_proj": "down",
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_norm",
+    # Qwen3 and Gemma 3
+    "self_attn.q_norm": "q_norm",
+    "self_attn.k_norm": "k_norm",
+    # Gemma 3 (its post_attention_layernorm normalizes the attention output)
+    "pre_feedforward_layernorm": "pre_ffn_norm",
+    "post_feedforward_layernorm": "post_ffn_norm",
 }
 
 

@@ -1,6 +1,10 @@
-"""The Llama family (Llama 1-3, Mistral, Qwen2) in one file.
+"""The Llama family (Llama 1-3, Mistral, Qwen2, Qwen3, Gemma 3 text) in one file.
 
-GQA, RoPE (default / linear / llama3 scaling), optional QKV bias, tied or untied embeddings.
+GQA, RoPE (default / linear / llama3 scaling), optional QKV bias, tied or untied embeddings;
+sliding-window layers (each layer's window from ModelConfig.layer_windows(), passed to the
+backend in its metadata), Qwen3's and Gemma 3's per-head q/k RMSNorm, and Gemma's extras
+(norms as (1 + weight) in float32, a norm after attention and on each side of the MLP, tanh
+GELU, scaled embeddings, query_pre_attn_scalar, a RoPE base of its own for the local layers).
 The model owns weights only: the KV cache tensors, the attention metadata and the backend are
 passed into ``forward`` explicitly each step, and so is a decode step's DecodeStepPlan where the
 runner asked the backend for one (the model runs its layers in one native call with it).
@@ -8,16 +12,22 @@ runner asked the backend for one (the model runs its layers in one native call w
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from kvserve.attention.base import AttentionBackend, AttentionMetadata, DecodeStepPlan
+from kvserve.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeStepPlan,
+    with_window,
+)
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import ModelConfig
 from kvserve.errors import UserInputError
@@ -37,8 +47,12 @@ from kvserve.models.packed_linear import (
 )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] for the model's RoPE variant (float32)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] for the model's RoPE variant (float32); `local`:
+    the sliding-window layers' where the model gives them a base of their own (Gemma 3:
+    rope_local_base_freq, default RoPE)."""
+    if local and config.rope_local_base_freq is not None:
+        config = replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
     dim = config.head_dim
     # On the CPU whatever the ambient device: arange on the meta device (LlamaForCausalLM's
     # construction) imports torch._dynamo, ~2.5 s of a server's start.
@@ -93,14 +107,33 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight (as Hugging Face stores it, zero-centred) scales by
+    (1 + weight), all in float32, cast back at the end (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def pre_attention(
     layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm, QKV projection and RoPE: hidden [T, hidden] -> q [T, H, D], k/v [T, Hkv, D]."""
+    """RMSNorm, QKV projection, the per-head q/k norms where the model has them, and RoPE:
+    hidden [T, hidden] -> q [T, H, D], k/v [T, Hkv, D]."""
     num_tokens = hidden.shape[0]
     q, k, v = layer.qkv_proj(layer.input_layernorm(hidden)).split(layer.split_sizes, dim=-1)
-    q = rotate(q.view(num_tokens, layer.num_heads, layer.head_dim), cos, sin)
-    k = rotate(k.view(num_tokens, layer.num_kv_heads, layer.head_dim), cos, sin)
+    q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+    k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+    if layer.q_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     return q, k, v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
 
 
@@ -111,6 +144,8 @@ def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
     attn = attn.reshape(attn.shape[0], -1)
     if attn.shape[0] != hidden.shape[0]:
         attn = F.pad(attn, (0, 0, 0, hidden.shape[0] - attn.shape[0]))
+    if layer.gemma_norms:
+        return _gemma_post_attention(layer, hidden, attn)
     hidden = hidden + layer.o_proj(attn)
     normed = layer.post_attention_layernorm(hidden)
     projection = layer.gate_up_proj
@@ -122,6 +157,17 @@ def post_attention(layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
         gate_up = projection(normed)
         activated = fused_silu_mul(gate_up) if layer.fused_silu else silu_and_mul(gate_up)
     return hidden + layer.down_proj(activated)
+
+
+def _gemma_post_attention(
+    layer: DecoderLayer, hidden: torch.Tensor, attn: torch.Tensor
+) -> torch.Tensor:
+    """Gemma's order: output projection, its norm, residual; pre-MLP norm, tanh-GELU-gated
+    MLP, post-MLP norm, residual (transformers' Gemma3DecoderLayer)."""
+    hidden = hidden + layer.post_attention_layernorm(layer.o_proj(attn))
+    gate, up = layer.gate_up_proj(layer.pre_feedforward_layernorm(hidden)).chunk(2, dim=-1)
+    activated = F.gelu(gate, approximate="tanh") * up
+    return hidden + layer.post_feedforward_layernorm(layer.down_proj(activated))
 
 
 def between_attentions(
@@ -168,7 +214,7 @@ class DecoderLayer(nn.Module):
     """One layer's weights and shape; LlamaForCausalLM.forward runs the layers through its
     LayerKernels, with attention between."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -176,15 +222,45 @@ class DecoderLayer(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.scale = config.head_dim**-0.5
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        scalar = config.query_pre_attn_scalar
+        self.scale = (config.head_dim if scalar is None else scalar) ** -0.5
+        # The window this layer attends over (0: full attention); which RoPE table it takes.
+        self.sliding_window = sliding_window
+        self.local_rope = bool(sliding_window) and config.rope_local_base_freq is not None
+        norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+        self.gemma_norms = config.gemma_norms
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama: the MLP's input norm; Gemma: the attention output's (pre_feedforward_layernorm
+        # is then the MLP's input norm).
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm:
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps)
+        if config.gemma_norms:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         # SiLU x up through the C kernel (fused_mlp.py): set for bfloat16 on a CPU that has it.
         self.fused_silu = False
+
+    @property
+    def is_plain(self) -> bool:
+        """A Llama layer: no q/k norms, no Gemma norms, SiLU (what the native layers and the
+        fused SiLU kernel take)."""
+        return self.q_norm is None and not self.gemma_norms
+
+
+@functools.cache
+def _multiplier_in(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`, as transformers multiplies Gemma's embeddings: by a float32
+    scalar tensor cast to the weights' dtype (a Python number, so that no tensor is made on
+    the device each step: CUDA graphs capture the step)."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,11 +271,18 @@ class LlamaForCausalLM(nn.Module):
         # imports torch._dynamo (see rope_inv_freq).
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, window) for window in config.layer_windows()
+        )
+        self.norm = (GemmaRMSNorm if config.gemma_norms else RMSNorm)(
+            config.hidden_size, config.rms_norm_eps
+        )
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # The local layers' RoPE where it differs (Gemma 3), else None.
+        local = rope_inv_freq(config, True) if any(x.local_rope for x in self.layers) else None
+        self.register_buffer("inv_freq_local", local, persistent=False)
         self.kernels = EAGER
         # The same work in C for every step (native_layers.py); None: not for this model.
         self.native_layers: NativeLayers | None = None
@@ -215,8 +298,16 @@ class LlamaForCausalLM(nn.Module):
         """Run every step's layers through native/csrc/layer/decode_layer.c from now on (the
         compiled layers' values, without their per-layer overhead); False where it cannot
         serve them."""
+        if not all(layer.is_plain for layer in self.layers):
+            return False  # q/k norms, Gemma's norms and GELU: the C code has none of them
         self.native_layers = NativeLayers.build(self.layers)
         return self.native_layers is not None
+
+    def set_rope(self, device: torch.device) -> None:
+        """The RoPE tables on `device` (after a build on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        if self.inv_freq_local is not None:
+            self.inv_freq_local = rope_inv_freq(self.config, True).to(device)
 
     @classmethod
     def from_weights(
@@ -231,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config)
         state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model.load_state_dict(state, strict=True, assign=True)
-        model.inv_freq = rope_inv_freq(config).to(device)
+        model.set_rope(device)
         model.eval()
         if can_pack(device, dtype):
             model.pack_weights()
@@ -243,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         (fused_mlp.py); elsewhere torch's expression stays."""
         enabled = fused_silu_available(device, dtype)
         for layer in self.layers:
-            layer.fused_silu = enabled
+            layer.fused_silu = enabled and layer.is_plain
 
     def pack_weights(self) -> None:
         """Every projection, and the LM head, through oneDNN-prepacked weights (see
@@ -268,6 +359,8 @@ class LlamaForCausalLM(nn.Module):
         native = self.native_layers
         if native is None or not native.runs_whole_steps:
             return False
+        if any(layer.sliding_window for layer in self.layers):
+            return False  # the one-call step attends over every layer's whole context
         return not getattr(torch.autograd.profiler, "_is_profiler_enabled", False)  # torch's
 
     def forward(
@@ -278,31 +371,53 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
         decode_plan: DecodeStepPlan | None = None,
+        layer_metadata: Sequence[AttentionMetadata] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         """`decode_plan` (a decode-only step's, from backend.plan_decode_step): every layer,
-        attention included, in one native call where the native layers serve the step."""
+        attention included, in one native call where the native layers serve the step.
+        `layer_metadata`: each layer's metadata (its KV cache group's), else `metadata` for
+        all; each layer's own window is set on it (with_window)."""
         num_tokens = input_ids.shape[0]
         input_ids, positions = self._padded(input_ids), self._padded(positions)
         hidden = self.embed_tokens(input_ids)
-        freqs = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :])[:, None, :]
-        cos, sin = freqs.cos().to(hidden.dtype), freqs.sin().to(hidden.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * _multiplier_in(self.config.embedding_multiplier, hidden.dtype)
+        cos, sin = self._rope_tables(positions, self.inv_freq, hidden.dtype)
+        tables = [(cos, sin)] * len(self.layers)
+        if self.inv_freq_local is not None:
+            local = self._rope_tables(positions, self.inv_freq_local, hidden.dtype)
+            tables = [local if layer.local_rope else (cos, sin) for layer in self.layers]
         kernels, layers = self.kernels, self.layers
         if self.native_layers is not None and self.native_layers.serves(hidden.shape[0]):
             kernels = self.native_layers
             if decode_plan is not None and self.wants_decode_plan():
                 hidden = kernels.run_step(layers, hidden, cos, sin, num_tokens, decode_plan)
                 return self.norm(hidden)[:num_tokens]
-        q, k, v = kernels.pre_attention(layers[0], hidden, cos, sin)
+        if layer_metadata is not None and len(layer_metadata) != len(layers):
+            raise ValueError(
+                f"layer_metadata has {len(layer_metadata)} entries for {len(layers)} layers"
+            )
+        q, k, v = kernels.pre_attention(layers[0], hidden, *tables[0])
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            layer_md = metadata if layer_metadata is None else layer_metadata[index]
+            layer_md = with_window(layer_md, layer.sliding_window)
             with record_function("kvserve::attention"):
                 attn = backend.forward(
-                    q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, metadata, layer.scale
+                    q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md, layer.scale
                 )
             if index + 1 < len(layers):
                 hidden, q, k, v = kernels.between_attentions(
-                    layer, layers[index + 1], hidden, attn, cos, sin
+                    layer, layers[index + 1], hidden, attn, *tables[index + 1]
                 )
         return self.norm(kernels.post_attention(layers[-1], hidden, attn))[:num_tokens]
+
+    @staticmethod
+    def _rope_tables(
+        positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2] of the positions, in the activations' dtype."""
+        freqs = (positions.to(torch.float32)[:, None] * inv_freq[None, :])[:, None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's token ids or positions [T], followed by zeros up to the row count that

@@ -66,7 +66,9 @@ def _describe(layer: nn.Module) -> DecodeLayer:
 def _runs_natively(layer: nn.Module) -> bool:
     """This layer's work runs here: every projection packed, in bfloat16, on the library's
     projection kernel (AMX, or vdpbf16ps without it) at every row count, with the shapes the C
-    code takes."""
+    code takes (a plain Llama layer: no q/k norms, no Gemma norms or GELU)."""
+    if not getattr(layer, "is_plain", True):
+        return False
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not all(isinstance(p, PackedLinear) for p in projections) or not layer.fused_silu:
         return False

@@ -241,7 +241,6 @@ def build_sharded_model(
 ) -> nn.Module:
     """This rank's model: built on the meta device with the local shape, given its slices of
     the weights, then joined to the group (embedding, LM head, o_proj and down_proj)."""
-    from kvserve.models.llama import rope_inv_freq
     from kvserve.models.packed_linear import can_pack, pack_linear_layers
 
     state = {
@@ -257,7 +256,7 @@ def build_sharded_model(
         if not config.tie_word_embeddings:
             del model.lm_head
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.set_rope(device)
     model.eval()
     if can_pack(device, dtype):
         pack_linear_layers(model.layers)

@@ -1,5 +1,6 @@
-"""Architecture name -> model class.  Llama, Mistral and Qwen2 share one implementation; they
-differ only in config values (QKV bias, RoPE scaling, tied embeddings)."""
+"""Architecture name -> model class.  Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) share one
+implementation; they differ only in config values (QKV bias, RoPE scaling, tied embeddings,
+sliding windows, q/k norms, Gemma's norms and activation)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,22 @@ _ALIASES = {
     "mistral": "mistral",
     "qwen2forcausallm": "qwen2",
     "qwen2": "qwen2",
+    "qwen3forcausallm": "qwen3",
+    "qwen3": "qwen3",
+    "gemma3forcausallm": "gemma3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # GGUF's general.architecture (HF's multimodal model_type: see below)
 }
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Gemma3ForConditionalGeneration (the multimodal checkpoints) is not served: its text weights
+# live under other names (model.language_model.*), next to a vision tower.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+FAMILIES = frozenset(_ALIASES.values())
 
 
 def normalize_architecture(name: str) -> str | None:
@@ -26,7 +41,7 @@ def get_model_class(architecture: str) -> type:
     """The nn.Module class for a (normalized) architecture name."""
     from kvserve.models.llama import LlamaForCausalLM
 
-    if architecture not in {"llama", "mistral", "qwen2"}:
+    if architecture not in FAMILIES:
         raise UserInputError(
             f"unsupported architecture {architecture!r}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -11,7 +11,13 @@ from collections import Counter
 from pathlib import Path
 
 from kvserve.formats import FormatError, build
-from kvserve.formats.gguf_metadata import GGUFFields, GGUFMetadata, open_gguf, read_gguf_metadata
+from kvserve.formats.gguf_metadata import (
+    DEFAULT_SLIDING_WINDOW_PATTERNS,
+    GGUFFields,
+    GGUFMetadata,
+    open_gguf,
+    read_gguf_metadata,
+)
 from kvserve.planner.model import LayerKind, ModelShape, PlanError, infer_layer_kinds
 
 # Tensor types that map to a torch dtype; every quantized type computes in float16.
@@ -57,6 +63,8 @@ def _layer_kinds(meta: GGUFMetadata, fields: GGUFFields) -> tuple[LayerKind, ...
     """Per-layer KV head counts of 0 mark layers without attention (hybrid models)."""
     arch, num_layers = meta.architecture, meta.num_layers
     pattern = fields.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = DEFAULT_SLIDING_WINDOW_PATTERNS.get(arch)
     # The pattern is a period (every n-th layer global) or one bool per layer (True: sliding).
     layer_types = None
     if isinstance(pattern, list):
