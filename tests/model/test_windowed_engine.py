@@ -5,11 +5,12 @@ prefill, preemption, and prefix hits on a shared prefix longer than the window."
 from __future__ import annotations
 
 import pytest
-from test_new_architectures import NEW_TOKENS, PROMPT, WINDOW, reference, tiny  # noqa: F401
+from windowed_models import NEW_TOKENS, PROMPT, WINDOW
 
 from kvserve import LLM, SamplingParams
 from kvserve.kv.groups import NULL_BLOCK
 
+NUM_BLOCKS = 100
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -53,15 +54,17 @@ def test_window_blocks_are_freed_while_decoding(tiny):
 
 
 def test_preempted_hybrid_requests_recompute_to_the_same_tokens(tiny, reference):
-    """60 blocks of one layer each: four 264-token sequences need 37 blocks each, so the
+    """100 blocks of one layer each: a 264-token sequence ends with 37 (17 full, 4 in each
+    window group), so six at once, admitted in 64-token chunks, outgrow the cache and the
     scheduler preempts; every output is still transformers'."""
     directory, _ = tiny("gemma3")
     block_bytes = 16 * 2 * 2 * 32 * 4  # tokens x K/V x KV heads x head_dim x float32
-    llm = make_llm(directory, kv_cache_memory=60 * block_bytes, max_model_len=264,
+    llm = make_llm(directory, kv_cache_memory=NUM_BLOCKS * block_bytes, max_model_len=264,
+                   max_num_batched_tokens=64,
                    enable_prefix_caching=False)  # fmt: skip
-    outputs = llm.generate([PROMPT] * 4, GREEDY)
+    outputs = llm.generate([PROMPT] * 6, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outputs] == [reference("gemma3")] * 4
+    assert [o.outputs[0].token_ids for o in outputs] == [reference("gemma3")] * 6
 
 
 def test_shared_prefix_hits_for_every_request_after_the_first(tiny):
@@ -79,3 +82,22 @@ def test_shared_prefix_hits_for_every_request_after_the_first(tiny):
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
     again = make_llm(directory).generate(prompts[:1] * 2, params)  # a later, sequential hit
     assert again[1].num_cached_tokens >= 4 * WINDOW - 16
+
+
+def test_start_up_log_gives_the_planners_bytes_per_sequence(tiny, caplog):
+    """A Gemma-3-shaped model at --max-model-len 8192: the log's bytes per sequence are
+    `kvserve plan`'s for the same config.json, and 3x the sequences fit that would with every
+    layer full."""
+    from kvserve.planner.layers import kv_layout
+    from kvserve.planner.readers import read_hf_config
+
+    directory, _ = tiny("gemma3")
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = make_llm(directory, max_model_len=8192, allow_long_max_model_len=True)
+    sizing = llm.engine.sizing
+    planned = kv_layout(read_hf_config(directory / "config.json"), "auto", 16)
+    planned_bytes = planned.block_bytes_per_sequence(8192)
+    assert f"{planned_bytes:,} bytes per sequence of 8,192 tokens" in caplog.text
+    assert "KV cache group 1: sliding window 48, layers 0" in caplog.text
+    all_full = sizing.num_blocks / (6 * 512)
+    assert sizing.max_concurrency >= 3 * all_full

@@ -443,11 +443,7 @@ class KVCacheManager:
     def _shared_block_index(self, table: list[int], num_computed_tokens: int) -> int | None:
         """Index in `table` of the block the next token goes into, if other tables share it."""
         index = num_computed_tokens // self.block_size
-        if (
-            index < len(table)
-            and table[index] >= 0
-            and self.pool.blocks[table[index]].ref_cnt > 1
-        ):
+        if index < len(table) and table[index] >= 0 and self.pool.blocks[table[index]].ref_cnt > 1:
             return index
         return None
 
