@@ -43,8 +43,8 @@ class KVCacheSizing:
     def summary(self) -> str:
         spec = self.spec
         return (
-            f"KV cache: {self.num_blocks:,} blocks x {spec.block_size} tokens "
-            f"({format_bytes(self.num_bytes)}, {spec.bytes_per_token:,} bytes/token, "
+            f"KV cache: {self.num_blocks:,} blocks x {spec.block_size} tokens = "
+            f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, {spec.bytes_per_token:,} bytes/token, "
             f"{spec.dtype}); {spec.bytes_per_sequence(self.max_model_len):,} bytes per "
             f"sequence of {self.max_model_len:,} tokens; max concurrency at "
             f"{self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
