@@ -2,7 +2,7 @@
 the features that live outside the model (8-bit KV, preemption under a tiny cache, the host
 tier, n > 1, prefix caching) work unchanged, with the same greedy tokens; so do the Worker's
 start-up features (the KV dtype check, the layers' path: torch.compile with N ranks, the
-native path with one), and --prefix-cache-dir is refused with its reason before anything loads.
+native path with one), and --prefix-cache-dir (a store of two ranks is one rank's).
 
 Tiny random Llama (tests/conftest.py: 4 query / 2 KV heads, so 2 + 1 per rank), float32;
 the device cache holds 12 blocks of 16 tokens: two requests growing to 9 blocks each preempt.
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.errors import ParameterError
 from kvserve.models.native_layers import native_kernels
 from kvserve.models.packed_linear import can_pack
 from kvserve.planner.layers import kv_layout
@@ -151,6 +150,23 @@ def test_tp2_compiles_the_layers_on_every_rank(tiny_dir, caplog):
         two.engine.close()
 
 
-def test_prefix_cache_dir_is_refused_with_its_reason_before_anything_loads(tmp_path):
-    with pytest.raises(ParameterError, match="each rank holds only its own KV heads"):
-        LLM("/no/such/model", tensor_parallel_size=2, prefix_cache_dir=str(tmp_path))
+def test_prefix_store_of_two_ranks_is_one_ranks_store(tiny_dir, tmp_path):
+    """--prefix-cache-dir with 2 ranks: a stored block holds every rank's KV heads (and the
+    int8 scales), so a store written by two ranks loads on one and one's loads on two, each
+    with the whole prompt but its partial block cached and the same greedy tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def served(tensor_parallel_size: int, prompts: list[list[int]]):  # noqa: ANN202
+        llm = make(tiny_dir, tensor_parallel_size, prefix_cache_dir=str(tmp_path))
+        try:
+            return llm.generate(prompts, greedy)
+        finally:
+            llm.engine.close()  # writes the store
+
+    fresh_a = served(2, [A])[0]
+    again_a, fresh_b = served(1, [A, B])
+    assert again_a.num_cached_tokens == (len(A) - 1) // BLOCK * BLOCK
+    assert again_a.outputs[0].token_ids == fresh_a.outputs[0].token_ids
+    [again_b] = served(2, [B])
+    assert again_b.num_cached_tokens == (len(B) - 1) // BLOCK * BLOCK
+    assert again_b.outputs[0].token_ids == fresh_b.outputs[0].token_ids

@@ -101,3 +101,19 @@ def test_start_up_log_gives_the_planners_bytes_per_sequence(tiny, caplog):
     assert "KV cache group 1: sliding window 48, layers 0" in caplog.text
     all_full = sizing.num_blocks / (6 * 512)
     assert sizing.max_concurrency >= 3 * all_full
+
+
+def test_prefix_store_keeps_every_groups_blocks_across_a_restart(tiny, tmp_path):
+    """--prefix-cache-dir on a hybrid model: each group's blocks are written (one group's
+    slots per stored block) and loaded back, so the restarted engine finds the whole prompt
+    but its last partial block, and decodes the same tokens."""
+    directory, _ = tiny("gemma3")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = make_llm(directory, prefix_cache_dir=str(tmp_path))
+    fresh = first.generate([PROMPT], params)[0]
+    first.engine.close()  # writes the store
+    restarted = make_llm(directory, prefix_cache_dir=str(tmp_path))
+    again = restarted.generate([PROMPT], params)[0]
+    assert again.num_cached_tokens == (len(PROMPT) - 1) // 16 * 16
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    restarted.engine.close()

@@ -17,9 +17,19 @@ import torch
 
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
 from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from kvserve.engine.prefix_store import LayerKVTensors
+
+
+def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCacheSpec) -> str:
+    """The model shape in a store's fingerprint; with windows, the KV cache groups too (a
+    stored block holds one group's slots)."""
+    shape = f"{num_layers}x{num_kv_heads}x{head_dim}"
+    if len(spec.groups) > 1 or any(group.window for group in spec.groups):
+        shape += "".join(f"; {group.describe()}" for group in spec.groups)
+    return shape
 
 
 class PrefixCacheServices:
@@ -71,9 +81,10 @@ class PrefixCacheServices:
             return
         from kvserve.engine.prefix_store import PrefixStore
 
-        self.store = PrefixStore(
-            Path(self._store_dir), fingerprint, self._store_max_bytes, kv_caches
-        )
+        # One cache per slot of a block: layers of KV cache groups share theirs
+        # (attention/kv_cache.py), and a stored block is one group's, every slot of it.
+        slots = list({id(cache): cache for cache in kv_caches}.values())
+        self.store = PrefixStore(Path(self._store_dir), fingerprint, self._store_max_bytes, slots)
         self.store.load(cache_manager)
 
     def after_step(self, cache_manager: KVCacheManager) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from torch.profiler import record_function
 
 from kvserve.config import CacheConfig, EngineConfig
-from kvserve.engine.cache_services import PrefixCacheServices
+from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.public_prefixes import public_prefix_token_ids
@@ -143,7 +143,7 @@ class LLMEngine:
         if not self.config.cache.enable_prefix_caching:
             return
         spec, mc, ex = self.sizing.spec, self.model_config, self.executor
-        shape = f"{mc.num_layers}x{mc.num_kv_heads}x{mc.head_dim}"
+        shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
         print_ = fingerprint(
             ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape, self.tokenizer
         )

@@ -44,6 +44,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -456,7 +457,7 @@ class PrefixStore:
 def _bytes_per_block(kv_caches: list[LayerKVTensors]) -> int:
     """Bytes of one block's copies: its K/V (and scales) in every layer."""
     return sum(
-        table[0].numel() * table.element_size()
+        math.prod(table.shape[1:]) * table.element_size()
         for cache in kv_caches
         for _, table in _tables(cache)
     )

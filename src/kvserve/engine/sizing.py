@@ -41,13 +41,14 @@ class KVCacheSizing:
         return self.num_blocks / self.spec.num_blocks_for_tokens(self.max_model_len)
 
     def summary(self) -> str:
-        spec = self.spec
+        spec, length = self.spec, self.max_model_len
+        per_sequence = spec.bytes_per_sequence(length)
         return (
             f"KV cache: {self.num_blocks:,} blocks x {spec.block_size} tokens = "
-            f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, {spec.bytes_per_token:,} bytes/token, "
-            f"{spec.dtype}); {spec.bytes_per_sequence(self.max_model_len):,} bytes per "
-            f"sequence of {self.max_model_len:,} tokens; max concurrency at "
-            f"{self.max_model_len:,} tokens: {self.max_concurrency:.1f}x"
+            f"{self.num_tokens:,} tokens ({format_bytes(self.num_bytes)}, "
+            f"{spec.bytes_per_token:,} bytes/token, {spec.dtype}); "
+            f"{per_sequence:,} bytes per sequence of {length:,} tokens; "
+            f"max concurrency at {length:,} tokens: {self.max_concurrency:.1f}x"
             + self._host_summary()
             + self._groups_summary()
         )
@@ -124,13 +125,10 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int) -> K
 
 
 def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
-    """ParameterError for a flag that several KV cache groups do not serve yet: the block log
-    (KV events, the prefix store) follows group 0's tables."""
+    """ParameterError for a flag that several KV cache groups do not serve yet: KV events
+    describe one table's blocks (vLLM's wire format has no group)."""
     several = len(spec.groups) > 1
-    refused = [
-        ("--prefix-cache-dir", bool(cache.prefix_cache_dir) and several),
-        ("--kv-events-config", cache.kv_events is not None and several),
-    ]
+    refused = [("--kv-events-config", cache.kv_events is not None and several)]
     for flag, refuse in refused:
         if refuse:
             raise ParameterError(

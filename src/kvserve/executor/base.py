@@ -23,36 +23,21 @@ import logging
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
-from kvserve.errors import ParameterError
 from kvserve.native import platform
 from kvserve.native.platform import CpuThreadPlan
 
 logger = logging.getLogger("kvserve")
 
-# What one rank runs and N ranks do not, and why: decided here only.  A flag that asks for one
-# is refused before anything loads (refuse_flags_with_tensor_parallel); a path taken only where
-# it serves is left off with one log line (tensor_parallel_refuses).
+# What one rank runs and N ranks do not, and why: decided here only.  Each is a path taken
+# only where it serves, left off with one log line (tensor_parallel_refuses); no flag is
+# refused.
 NOT_WITH_TENSOR_PARALLEL = {
-    "--prefix-cache-dir": (
-        "the store copies one process's K/V tensors to disk and back, and each rank holds "
-        "only its own KV heads (each rank would need its own store)"
-    ),
     "native layers": (
         "native/csrc/layer/decode_layer.c adds o_proj's and down_proj's outputs to the "
         "residual within one call, where N ranks hold partial sums that must first be all-reduced"
     ),
     "CUDA graphs": "capturing NCCL collectives in CUDA graphs has not been tested",
 }
-
-
-def refuse_flags_with_tensor_parallel(config: EngineConfig) -> None:
-    """ParameterError naming a flag that N ranks refuse (before the model loads)."""
-    if config.load.tensor_parallel_size > 1 and config.cache.prefix_cache_dir:
-        flag = "--prefix-cache-dir"
-        raise ParameterError(
-            flag, f"is not supported with --tensor-parallel-size > 1: "
-            f"{NOT_WITH_TENSOR_PARALLEL[flag]}; drop one of them",
-        )  # fmt: skip
 
 
 def tensor_parallel_refuses(feature: str, world_size: int) -> bool:

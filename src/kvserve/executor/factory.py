@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvserve.config import EngineConfig
 from kvserve.executor.abstract import Executor
-from kvserve.executor.base import refuse_flags_with_tensor_parallel, set_cpu_threads
+from kvserve.executor.base import set_cpu_threads
 from kvserve.executor.tensor_parallel import TensorParallelExecutor
 from kvserve.executor.uniproc import UniProcExecutor
 from kvserve.executor.worker import resolve_placement
@@ -16,7 +16,6 @@ def make_executor(config: EngineConfig, checkpoint: Checkpoint | None = None) ->
     """The executor for config.load.tensor_parallel_size ranks, every model built.  The
     calling thread's CPU threads are sized first (--cpu-threads-bind): the checkpoint loads
     with them."""
-    refuse_flags_with_tensor_parallel(config)
     load = config.load
     cpu_threads = set_cpu_threads(load.cpu_threads_bind)
     checkpoint = checkpoint or load_checkpoint(load.model)

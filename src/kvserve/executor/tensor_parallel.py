@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import EngineConfig, format_bytes
 from kvserve.errors import ParameterError
 from kvserve.executor.abstract import Executor
@@ -30,6 +31,7 @@ from kvserve.executor.base import (
     split_cpu_plan,
 )
 from kvserve.executor.collective import STORE_TIMEOUT, broadcast_object
+from kvserve.executor.kv_shards import ShardedKVCache
 from kvserve.executor.worker import Worker
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint
@@ -165,6 +167,19 @@ class TensorParallelExecutor(Executor):
             format_bytes(self.driver_worker.kv_cache_bytes()), spec.num_kv_heads,
             f"{spec.bytes_per_token:,}",
         )  # fmt: skip
+
+    @property
+    def kv_caches(self) -> list[ShardedKVCache]:  # type: ignore[override]
+        """Every rank's KV cache as one, per distinct cache (the prefix store's view: rows
+        gathered from and scattered to the ranks; executor/kv_shards.py)."""
+        distinct: dict[int, tuple[int, LayerKVCache]] = {}
+        for layer, cache in enumerate(self.driver_worker.kv_caches):
+            distinct.setdefault(id(cache), (layer, cache))
+        heads = self.driver_worker.model_config.num_kv_heads
+        return [
+            ShardedKVCache(self.collective_rpc, layer, cache, heads)
+            for layer, cache in distinct.values()
+        ]
 
     # ------------------------------------------------------------------ steps
     def set_failure_callback(self, callback: Callable[[ExecutorFailedError], None]) -> None:

@@ -32,6 +32,7 @@ from kvserve.errors import ParameterError
 from kvserve.executor.base import WorkerSpec, bind_compute_threads, tensor_parallel_refuses
 from kvserve.executor.collective import STORE_TIMEOUT, make_process_group, receive_object
 from kvserve.executor.kv_dtype_check import Canary, check_kv_cache_dtype
+from kvserve.executor.kv_shards import gather_heads
 from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
@@ -87,7 +88,8 @@ class Worker:
         checkpoint = checkpoint or load_checkpoint(load.model)
         self.model_config, self.model_name = checkpoint.config, checkpoint.name
         self.model_path: Path = checkpoint.path
-        self.shard = shard_plan(checkpoint.config, self.world_size)[rank]
+        self.shards = shard_plan(checkpoint.config, self.world_size)  # every rank's
+        self.shard = self.shards[rank]
         self.device_group = TPGroup(None, rank, self.world_size)  # joined in `join`
         self.cpu_group = self.device_group
         self.model = build_model(checkpoint, self.shard, self.device_group, self.dtype,
@@ -203,6 +205,23 @@ class Worker:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_caches first"
         return self.runner.execute(output)
+
+    # ------------------------------------------------------------------ the prefix store's rows
+    def gather_kv_rows(self, layer: int, name: str, block_ids: torch.Tensor) -> torch.Tensor:
+        """Blocks' rows of one table with every rank's KV heads (executor/kv_shards.py; a
+        collective: every rank calls it, rank 0's result is used)."""
+        table = getattr(self.kv_caches[layer], name)
+        rows = table.index_select(0, block_ids.to(self.device))
+        heads = [list(shard.kv_heads) for shard in self.shards]
+        return gather_heads(rows, heads, self.device_group.all_gather).cpu()
+
+    def scatter_kv_rows(
+        self, layer: int, name: str, block_ids: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Write blocks' rows of one table given with every KV head: this rank's heads."""
+        table = getattr(self.kv_caches[layer], name)
+        mine = rows[:, :, list(self.shard.kv_heads)]
+        table[block_ids.to(self.device)] = mine.to(device=self.device, dtype=table.dtype)
 
 
 def layer_groups(spec: KVCacheSpec) -> list[int]:

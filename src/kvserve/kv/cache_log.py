@@ -65,6 +65,21 @@ class CacheLog:
             else:
                 events.append(BlockStored([keys[i]], parent, list(tokens), size, salted))
 
+    def stored_in_group(
+        self, indices: list[int], keys: Sequence[bytes], contents: Sequence[int],
+        token_ids: Sequence[int], table: list[int],
+    ) -> None:  # fmt: skip
+        """Blocks `indices` of a KV cache group after the first were cached (`keys`: that
+        group's, kv/groups.py group_key): the blocks to persist, no event (events describe
+        group 0's blocks)."""
+        if self._new_blocks is None:
+            return
+        size = self.block_size
+        for i in indices:
+            tokens = list(token_ids[i * size : (i + 1) * size])
+            parent = keys[i - 1] if i else None
+            self._new_blocks.append(NewBlock(table[i], keys[i], contents[i], parent, tokens))
+
     def evicted(self, key: bytes) -> None:
         """A cached block was evicted to make room (consecutive evictions: one event)."""
         if self._events is not None:

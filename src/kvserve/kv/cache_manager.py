@@ -512,8 +512,7 @@ class KVCacheManager:
             if self._cache_block(table[i], hashes.keys[i]):
                 stored.append(i)
         for group, other in enumerate(tables[1:], start=1):
-            for i in range(start, num_full):
-                self._cache_block(other[i], group_key(hashes.keys[i], group))
+            self._cache_group_blocks(request, group, other, start, num_full)
         self._num_cached_blocks[request_id] = num_full
         if stored:
             self._misses.record_cached(
@@ -524,6 +523,18 @@ class KVCacheManager:
                 stored, hashes.keys, hashes.contents, request.all_token_ids, table,
                 hashes.num_unsalted,
             )  # fmt: skip
+
+    def _cache_group_blocks(
+        self, request: HashedRequest, group: int, table: list[int], start: int, end: int
+    ) -> None:
+        """cache_full_blocks for a group after the first: its own keys, and the blocks to
+        persist (no events, no miss statistics: those follow group 0)."""
+        hashes = self._hashes(request)
+        first = max(0, start - 1)  # a block's parent is logged with it
+        keys = [b""] * first + [group_key(key, group) for key in hashes.keys[first:end]]
+        stored = [i for i in range(start, end) if self._cache_block(table[i], keys[i])]
+        if stored and self._log.active:
+            self._log.stored_in_group(stored, keys, hashes.contents, request.all_token_ids, table)
 
     def _cache_block(self, block_id: int, key: bytes) -> bool:
         """Register a computed block under its key (False: freed already, hashed already, or
