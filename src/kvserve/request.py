@@ -27,6 +27,21 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    the fields is set.  The engine compiles it into a grammar (kvserve/structured/) and masks
+    each sampled row's logits to the tokens the grammar allows next."""
+
+    json: str | None = None  # a JSON schema, serialized; "{}" or any object schema
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    # The request field it came from, named in errors ("response_format", "structured_outputs")
+    source: str = "structured_outputs"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, named as in vLLM.  ValueError names the bad field."""
 
@@ -45,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured: StructuredOutput | None = None  # constrained decoding (kvserve/structured/)
     # stop_token_ids as a set, built once: the stop check and the min_tokens mask read it
     # every token, and a request may carry --max-stop-token-ids of them
     stop_token_id_set: frozenset[int] = field(
