@@ -50,3 +50,15 @@ def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
             torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
         )
     return tokens
+
+
+def add_gguf_shape(writer, cfg) -> None:  # noqa: ANN001 - a GGUFWriter, a transformers config
+    """The model-shape metadata every GGUF writer of the tests starts with."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)

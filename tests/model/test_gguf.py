@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from helpers import run_in_chunks
+from helpers import add_gguf_shape, run_in_chunks
 
 from kvserve.models.gguf_loader import unpermute_qk
 from kvserve.models.llama import LlamaForCausalLM
@@ -32,15 +32,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(path, hf_model, quant: GGMLQuantizationType, arch: str = "llama") -> None:
     cfg = hf_model.config
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_gguf_shape(writer, cfg)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
     for name, tensor in hf_model.state_dict().items():
         array = tensor.numpy().astype(np.float32)
         gguf_name = _gguf_name(name)

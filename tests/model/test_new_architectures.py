@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from helpers import forward_logits, hf_greedy, make_cache
+from helpers import add_gguf_shape, forward_logits, hf_greedy, make_cache
 from test_formats_agree import assert_common_fields_agree
 from windowed_models import NEW_TOKENS, PROMPT, WINDOW
 
@@ -136,16 +136,9 @@ def write_gguf(path, hf_model, arch: str) -> None:
     the +1 added; no output.weight: tied; its query_pre_attn_scalar as attention.scale)."""
     cfg = hf_model.config
     writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(writer, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_sliding_window(WINDOW)
     if arch == "gemma3":
         rope = cfg.rope_parameters["full_attention"]

@@ -18,7 +18,8 @@ def test_layout_one_group_per_kind_or_groups_of_the_rarest_kinds_size():
     assert kv_cache_groups([32, 32]) == (KVCacheGroup(32, (0, 1)),)
     gemma = [512] * 5 + [0]
     assert kv_cache_groups(gemma) == (
-        KVCacheGroup(0, (5,)), *(KVCacheGroup(512, (i,)) for i in range(5))
+        KVCacheGroup(0, (5,)),
+        *(KVCacheGroup(512, (i,)) for i in range(5)),
     )
     twelve = ([512] * 5 + [0]) * 2
     assert kv_cache_groups(twelve) == (
