@@ -25,6 +25,10 @@ def format_plan(plan: Plan) -> str:
         f"{chosen.bytes_per_sequence:,} bytes ({format_bytes(chosen.bytes_per_sequence)}); "
         f"batch of {plan.batch_size}: {format_bytes(chosen.bytes_for_batch)}"
     )
+    lines.append(
+        f"in whole blocks of {plan.block_size}, as the engine allocates and logs it: "
+        f"{chosen.block_bytes_per_sequence:,} bytes per sequence"
+    )
     lines.append(_verdict(plan, chosen))
     lines += ["", *_table(plan), ""]
     lines += [f"note: {note}" for note in plan.notes]
