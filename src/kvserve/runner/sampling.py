@@ -101,6 +101,24 @@ def sample(
     return SamplerOutput(torch.where(batch.greedy, greedy_ids, random_ids), logprobs)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits[rows[i], t] to -inf where bit t of bitmask[i] is clear (word t // 32, bit
+    t % 32, llguidance's packing), in place, for greedy and random rows alike, before any
+    temperature or floor.  Tokens past the mask's 32 x width bits (a model vocabulary wider
+    than the tokenizer's) are disallowed.  The work is O(len(rows) x vocab): the rows without
+    a grammar are not touched."""
+    vocab = logits.shape[1]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [R, 32 x width]
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        pad = allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum (the first on a tie, the first NaN if any, as torch).  On a
     CPU through csrc/sampling/argmax_rows.c (float32 or bfloat16 rows, ~10x faster than torch at
