@@ -44,7 +44,8 @@ def structured_output_of(request: SamplingRequest) -> StructuredOutput | None:
     if len(found) > 1:
         names = ", ".join(_field_name(so) for so in found)
         raise APIError(
-            f"only one output constraint is allowed per request, got {names}",
+            f"{_field_name(found[1])}: only one output constraint is allowed per request, "
+            f"got {names}",
             _field_name(found[1]),
         )
     return found[0] if found else None
