@@ -104,23 +104,23 @@ def test_max_tokens_before_the_grammar_completes_is_length(llm):
 
 def test_a_preempted_constrained_request_resumes_its_grammar(llm):
     """Preempted after 4 tokens (its blocks freed, recomputed from prompt and output), the
-    request's matcher still stands where its output left it: the output equals the one run
-    without preemption, and validates."""
+    request's matcher still stands where its output left it: the output equals that of its
+    twin, run alongside without preemption, and validates."""
     so = StructuredOutput(json=json.dumps(BOUNDS))
     params = _params(so, 0.0)
-    [reference] = llm.generate([PROMPTS[1]], params)
     engine = llm.engine
+    engine.add_request("twin", PROMPTS[1], params)
     engine.add_request("preempted", PROMPTS[1], params)
     request = engine.scheduler.requests["preempted"]
-    outputs = []
+    finals = {}
     while request.num_output_tokens < 4:
-        outputs += engine.step()
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
     engine.scheduler._preempt(request)
     assert request.status == RequestStatus.PREEMPTED and request.num_computed_tokens == 0
     while engine.has_unfinished_requests():
-        outputs += engine.step()
-    final = outputs[-1].outputs[0]
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
     assert request.num_preemptions == 1
-    assert final.token_ids == reference.outputs[0].token_ids
+    final, twin = finals["preempted"].outputs[0], finals["twin"].outputs[0]
+    assert final.finish_reason == "stop" and final.token_ids == twin.token_ids
     jsonschema.validate(json.loads(final.text), BOUNDS)
     engine.cache_manager.check_invariants()
