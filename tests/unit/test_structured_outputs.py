@@ -12,7 +12,11 @@ import torch
 
 from kvserve.errors import ParameterError
 from kvserve.request import Request, RequestStatus, SamplingParams, StructuredOutput
-from kvserve.runner.sampling import apply_token_bitmask
+from kvserve.runner.sampling import (
+    apply_token_bitmask,
+    unpack_disallowed_host,
+    unpack_disallowed_torch,
+)
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.structured_fields import structured_output_of
@@ -160,21 +164,32 @@ def test_bitmask_allows_exactly_the_prefixes_of_the_choices(manager):
 def test_apply_token_bitmask_masks_only_the_constrained_rows():
     logits = torch.arange(3 * 70, dtype=torch.float32).reshape(3, 70)
     original = logits.clone()
-    bitmask = torch.zeros(2, 2, dtype=torch.int32)  # 64 bits: tokens 64..69 disallowed
+    bitmask = np.zeros((2, 2), dtype=np.int32)  # 64 bits: tokens 64..69 disallowed
     bitmask[0, 0] = 0b1010  # tokens 1 and 3
     bitmask[1, 1] = -(2**31)  # bit 31 of word 1: token 63
-    apply_token_bitmask(logits, torch.tensor([0, 2]), bitmask)
+    apply_token_bitmask(logits, [0, 2], bitmask)
     inf = float("-inf")
     assert torch.equal(logits[1], original[1])
     assert [i for i in range(70) if logits[0, i] != inf] == [1, 3]
     assert [i for i in range(70) if logits[2, i] != inf] == [63]
     assert logits[0, 3] == original[0, 3] and logits[2, 63] == original[2, 63]
     wide = torch.zeros(1, 40)  # a mask wider than the logits: cut to them
-    apply_token_bitmask(wide, torch.tensor([0]), torch.tensor([[1 << 5, -1]], dtype=torch.int32))
+    apply_token_bitmask(wide, [0], np.array([[1 << 5, -1]], dtype=np.int32))
     assert [i for i in range(40) if wide[0, i] != inf] == [5, *range(32, 40)]
-    bf16 = torch.zeros(1, 8, dtype=torch.bfloat16)
-    apply_token_bitmask(bf16, torch.tensor([0]), torch.tensor([[0b100]], dtype=torch.int32))
-    assert bf16[0].tolist() == [inf, inf, 0.0, inf, inf, inf, inf, inf]
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):  # 16-bit: by their bits
+        half = torch.ones(2, 8, dtype=dtype)
+        with torch.inference_mode():  # as the runner calls it
+            apply_token_bitmask(half, [1], np.array([[0b100]], dtype=np.int32))
+        assert half[1].tolist() == [inf, inf, 1.0, inf, inf, inf, inf, inf]
+        assert half[0].tolist() == [1.0] * 8
+
+
+def test_host_and_device_unpacking_agree():
+    words = np.random.default_rng(0).integers(-(2**31), 2**31, (5, 7), dtype=np.int64)
+    bitmask = words.astype(np.int32)
+    host = unpack_disallowed_host(bitmask)
+    assert torch.equal(host, unpack_disallowed_torch(bitmask, torch.device("cpu")))
+    assert host.shape == (5, 224) and bool(host[0, 3]) == (not (bitmask[0, 0] >> 3) & 1)
 
 
 # ---------------------------------------------------------------------- the manager

@@ -296,9 +296,8 @@ class ModelRunner:
         if not pairs:
             return frozenset()
         rows, mask_rows = zip(*pairs, strict=True)
-        bitmask = torch.from_numpy(output.grammar_bitmask[list(mask_rows)])
         with record_function("kvserve::grammar_mask"):
-            apply_token_bitmask(logits, torch.tensor(rows, device=self.device), bitmask)
+            apply_token_bitmask(logits, list(rows), output.grammar_bitmask[list(mask_rows)])
         return frozenset(output.grammar_request_ids)
 
     def _sampling_batch(
