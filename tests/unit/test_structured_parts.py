@@ -212,7 +212,7 @@ def test_steps_follow_the_output_and_stop_when_the_grammar_is_complete(manager):
     tok = manager.tokenizer
     so = StructuredOutput(regex="ab|cd")
     request, other = make_request("r", so), make_request("plain", so)
-    manager.add_request(request, manager.compile(so))
+    manager.add_request(request)
     step = SchedulerOutput([scheduled(other), scheduled(request, sample=False)], [], [])
     assert manager.with_bitmask(step) is step  # no sampled row has a grammar
     step = SchedulerOutput([scheduled(other), scheduled(request)], [], [])
@@ -229,7 +229,7 @@ def test_steps_follow_the_output_and_stop_when_the_grammar_is_complete(manager):
     request.append_output_token(b)
     # a token the grammar forbids (a bug: the mask allows none) aborts, never completes
     bad = make_request("bad", so)
-    manager.add_request(bad, manager.compile(so))
+    manager.add_request(bad)
     masked = manager.with_bitmask(SchedulerOutput([scheduled(bad)], [], []))
     assert manager.advance(masked, {"bad": b}) == {"bad": RequestStatus.FINISHED_ABORTED}
     request.status = bad.status = RequestStatus.FINISHED_STOPPED
@@ -242,9 +242,8 @@ def test_preempted_request_masks_from_its_output_and_a_lost_matcher_replays(mana
     mask is the one after its output; a matcher that missed tokens is reset and replays."""
     tok = manager.tokenizer
     so = StructuredOutput(json=json.dumps(SCHEMA))
-    grammar = manager.compile(so)
     request = make_request("p", so)
-    manager.add_request(request, grammar)
+    manager.add_request(request)
     for token in tok.tokenize_str('{"a":1'):
         masked = manager.with_bitmask(SchedulerOutput([scheduled(request)], [], []))
         assert token in allowed_ids(masked.grammar_bitmask[0])

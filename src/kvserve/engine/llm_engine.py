@@ -185,8 +185,8 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ParameterError("prompt", f"token ids must be in [0, {vocab_size}), got {bad}")
-        # compiled (cached by content: the server validated it on a tokenizer thread)
-        grammar = self.structured.compile(params.structured) if params.structured else None
+        if params.structured is not None:  # compiled (cached by content: the server
+            self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
@@ -205,8 +205,8 @@ class LLMEngine:
         added = []
         try:
             for child in children:
-                if grammar is not None:  # a matcher per child: each samples its own text
-                    self.structured.add_request(child, grammar)
+                if params.structured is not None:  # a matcher per child: its own text
+                    self.structured.add_request(child)
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
         except ValueError:

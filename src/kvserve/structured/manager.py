@@ -1,7 +1,7 @@
 """One llguidance matcher per constrained sequence, the step's token bitmask, and the grammar's
 say on when a sequence stops.
 
-    add_request          matcher from the compiled grammar (n > 1: one per child)
+    add_request          a copy of the compiled grammar's matcher (n > 1: one per child)
     with_bitmask(step)   the scheduled rows that sample and have a matcher: their packed
                          bitmask (numpy int32 [R, ceil(vocab / 32)], filled in parallel in
                          Rust), on the SchedulerOutput; the step is unchanged without any
@@ -26,10 +26,9 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from kvserve.errors import ParameterError
 from kvserve.request import Request, RequestStatus, StructuredOutput
 from kvserve.step import SchedulerOutput
-from kvserve.structured.grammar import GrammarCompiler, field_of
+from kvserve.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("kvserve")
 MASK_THREADS = 2  # llguidance's mask workers; a step's rows are filled in parallel
@@ -112,15 +111,13 @@ class StructuredOutputManager:
         so that the engine thread finds the request's grammar compiled."""
         return self.compiler(hf_tokenizer).compile(so)
 
-    def add_request(self, request: Request, grammar: str) -> None:
-        """A matcher for `request` (its output so far consumed), replacing one of a finished
-        request of the same id."""
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            so = request.sampling_params.structured
-            param = field_of(so) if so is not None else "structured_outputs"
-            raise ParameterError(param, f"is invalid: {matcher.get_error()[:400]}")
-        entry = _Constrained(request, matcher)
+    def add_request(self, request: Request) -> None:
+        """A matcher for `request`'s constraint (its output so far consumed), a copy of the
+        compiled one, replacing one of a finished request of the same id.  ParameterError
+        naming the field for an invalid constraint."""
+        so = request.sampling_params.structured
+        assert so is not None
+        entry = _Constrained(request, self.compiler().matcher(so))
         self._replay(entry)
         self._sequences[request.request_id] = entry
 
