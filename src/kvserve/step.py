@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.request import SamplingParams
 
@@ -41,6 +42,12 @@ class SchedulerOutput:
     # first every offload (device -> host), then every load (host -> device).
     blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
     blocks_from_host: list[tuple[int, int]] = field(default_factory=list)
+    # Constrained decoding (kvserve/structured/): row i of `grammar_bitmask`, a numpy int32
+    # array [R, ceil(tokenizer vocab / 32)] whose bit t (word t // 32, bit t % 32) is set where
+    # token t is allowed next, masks the logits of grammar_request_ids[i]; tokens past the
+    # mask's width are disallowed.  None when no sampled row has a grammar.
+    grammar_bitmask: Any = None
+    grammar_request_ids: tuple[str, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

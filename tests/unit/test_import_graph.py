@@ -54,9 +54,12 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"attention", "native", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "native", "kv"} | LEAVES,
     "executor": {"runner", "models", "attention", "native", "kv"} | LEAVES,
-    "engine": {"executor", "kv"} | LEAVES,
+    # structured: constrained decoding's grammars and matchers (numpy, llguidance; no
+    # torch), which the engine steps and the server validates requests with
+    "structured": LEAVES,
+    "engine": {"executor", "kv", "structured"} | LEAVES,
     "llm": {"engine"} | LEAVES,
-    "server": {"engine"} | LEAVES,
+    "server": {"engine", "structured"} | LEAVES,
     "planner": {"kv"} | LEAVES,
     "bench": {"models"} | LEAVES,
     "evaluation": SERVING | LEAVES,
@@ -229,6 +232,20 @@ def test_importing_kv_and_the_scheduler_loads_no_torch():
         env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_structured_outputs_load_no_torch():
+    """The grammar side of constrained decoding is numpy and llguidance: no torch."""
+    code = (
+        "import sys\nimport kvserve.structured.manager, kvserve.structured.grammar\n"
+        "print('torch' in sys.modules)"
+    )
+    path = os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
 
 
 def test_the_engine_reaches_the_model_only_through_the_executor():

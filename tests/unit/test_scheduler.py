@@ -335,3 +335,30 @@ def test_growth_reserve_is_zero_until_a_preemption_and_decays():
     assert s.growth_reserve == pytest.approx(
         max(0.0, 0.01 - 10 * scheduler_module.GROWTH_RESERVE_DECAY)
     )
+
+
+def test_grammar_stops_end_sequences_and_win_over_max_tokens():
+    """update_from_output's grammar_stops (structured/): a complete grammar stops a sequence
+    without EOS, with "stop" even on its max_tokens-th token; an aborted one is "abort"."""
+    s = make_scheduler()
+    runner = FakeRunner(4)
+    for rid, max_tokens in (("done", 2), ("at_max", 2), ("early", 5), ("broken", 5)):
+        s.add_request(request(rid, 3, max_tokens))
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(out))  # one token each, nothing ends
+    out = s.schedule()
+    stops = {
+        "at_max": RequestStatus.FINISHED_STOPPED,
+        "early": RequestStatus.FINISHED_STOPPED,
+        "broken": RequestStatus.FINISHED_ABORTED,
+    }
+    updated = s.update_from_output(out, runner.execute(out), stops)
+    statuses = {r.request_id: r.status for r in updated}
+    assert statuses == {
+        "done": RequestStatus.FINISHED_LENGTH,  # no grammar said anything: max_tokens
+        "at_max": RequestStatus.FINISHED_STOPPED,
+        "early": RequestStatus.FINISHED_STOPPED,  # 2 of its 5 tokens
+        "broken": RequestStatus.FINISHED_ABORTED,
+    }
+    assert all(r.num_output_tokens == 2 for r in updated)
+    assert not s.has_unfinished_requests() and s.cache_manager.num_free_blocks == 64

@@ -41,6 +41,7 @@ from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
+from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -120,6 +121,7 @@ class LLMEngine:
             self.cache_manager,
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
+        self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
         self._open_prefix_store()
 
     def _size_kv_cache(self) -> KVCacheSizing:
@@ -183,6 +185,8 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ParameterError("prompt", f"token ids must be in [0, {vocab_size}), got {bad}")
+        if params.structured is not None:  # compiled (cached by content: the server
+            self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         )
@@ -201,9 +205,13 @@ class LLMEngine:
         added = []
         try:
             for child in children:
+                if params.structured is not None:  # a matcher per child: its own text
+                    self.structured.add_request(child)
                 self.scheduler.add_request(child)
                 added.append(child.request_id)
         except ValueError:
+            for child in children:
+                self.structured.remove(child.request_id)
             for child_id in added:
                 self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
             raise
@@ -290,10 +298,17 @@ class LLMEngine:
     def _run_scheduled(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """Model, then bookkeeping and detokenization (each a profiler range, named for the
         breakdown in benchmarks/side_by_side.py; free when no profiler runs)."""
+        with record_function("kvserve::grammar_bitmask"):  # unchanged without a grammar
+            scheduler_output = self.structured.with_bitmask(scheduler_output)
         with record_function("kvserve::model"):
             runner_output = self.executor.execute(scheduler_output)
         with record_function("kvserve::update_detokenize"):
+            grammar_stops = None
+            if scheduler_output.grammar_request_ids:
+                grammar_stops = self.structured.advance(
+                    scheduler_output, runner_output.sampled_token_ids
+                )
             updated = self.scheduler.update_from_output(
-                scheduler_output, runner_output.sampled_token_ids
+                scheduler_output, runner_output.sampled_token_ids, grammar_stops
             )
             return self.output_processor.process_outputs(updated, runner_output.logprobs)

@@ -240,10 +240,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------- after the model ran
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        grammar_stops: dict[str, RequestStatus] | None = None,
     ) -> list[Request]:
         """Advance computed counts, cache newly full blocks, append sampled tokens, finish
-        requests that hit a stop condition.  Returns the requests that got a new token."""
+        requests that hit a stop condition.  Returns the requests that got a new token.
+        `grammar_stops`: the sequences whose grammar ended with this token (structured/), with
+        their status; it wins over the token rules (a complete grammar at max_tokens stops)."""
         updated = []
         cm = self.cache_manager
         for item in output.scheduled:
@@ -258,7 +263,9 @@ class Scheduler:
                 continue
             request.append_output_token(sampled_token_ids[item.request_id])
             updated.append(request)
-            status = check_stop_token(request, self.max_model_len)
+            status = grammar_stops.get(request.request_id) if grammar_stops else None
+            if status is None:
+                status = check_stop_token(request, self.max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
         return updated

@@ -25,7 +25,7 @@ from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
 from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan, describe
 from kvserve.runner.host_transfers import apply_host_transfers
-from kvserve.runner.sampling import SamplingBatch, sample
+from kvserve.runner.sampling import SamplingBatch, apply_token_bitmask, sample
 from kvserve.step import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -233,8 +233,10 @@ class ModelRunner:
         if not sampling:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
+        constrained = self._apply_grammar_bitmask(logits, sampling, output)
         with record_function("kvserve::sample"):
-            result = sample(logits, self._sampling_batch(sampling), self._shared_generator)
+            batch_params = self._sampling_batch(sampling, constrained)
+            result = sample(logits, batch_params, self._shared_generator)
         token_ids = result.token_ids.tolist()
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
@@ -280,12 +282,34 @@ class ModelRunner:
             batch.block_tables,
         )  # fmt: skip
 
-    def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest], output: SchedulerOutput
+    ) -> frozenset[str]:
+        """Mask the constrained rows' logits to what their grammars allow (structured/), in
+        one operation over those rows only; the ids of the rows masked."""
+        if output.grammar_bitmask is None:
+            return frozenset()
+        row_of = {r.request_id: row for row, r in enumerate(sampling)}
+        pairs = [
+            (row_of[rid], i) for i, rid in enumerate(output.grammar_request_ids) if rid in row_of
+        ]
+        if not pairs:
+            return frozenset()
+        rows, mask_rows = zip(*pairs, strict=True)
+        with record_function("kvserve::grammar_mask"):
+            apply_token_bitmask(logits, list(rows), output.grammar_bitmask[list(mask_rows)])
+        return frozenset(output.grammar_request_ids)
+
+    def _sampling_batch(
+        self, requests: list[ScheduledRequest], constrained: frozenset[str] = frozenset()
+    ) -> SamplingBatch:
+        """The step's sampling tensors.  A row whose grammar masks it keeps its EOS: min_tokens
+        would ban what the grammar may allow alone, leaving no token."""
         generators = [self._generator(r) for r in requests]
         banned = []
         for row, r in enumerate(requests):
             params = r.sampling_params
-            if r.num_output_tokens < params.min_tokens:
+            if r.num_output_tokens < params.min_tokens and r.request_id not in constrained:
                 stop_ids = params.stop_token_id_set
                 if not params.ignore_eos:
                     stop_ids = stop_ids | r.eos_token_ids

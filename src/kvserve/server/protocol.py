@@ -44,6 +44,13 @@ class SamplingRequest(BaseModel):
     # vLLM's: the request's cached blocks are shared only with requests of the same salt
     # (blocks inside a --public-prefixes prefix with every request)
     cache_salt: str | None = None
+    # Constrained decoding (server/structured_fields.py): at most one of them
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -73,7 +80,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------- responses

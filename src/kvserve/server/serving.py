@@ -18,6 +18,7 @@ from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from kvserve.server.structured_fields import structured_output_of, validate_structured
 from kvserve.server.tokenization import ServerTokenizers
 from kvserve.step import RequestOutput, merge_deltas
 
@@ -116,7 +117,11 @@ class ServingContext:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Add a validated request; its outputs feed the latency metrics as they are read."""
+        """Add a validated request; its outputs feed the latency metrics as they are read.
+        Its grammar, if any, is compiled and validated first, on a tokenizer thread."""
+        if params.structured is not None:
+            engine = self.async_llm.engine
+            await validate_structured(params.structured, self.tokenizers, engine.structured.compile)
         tracker = self.metrics.start_request()
         try:
             return await self.async_llm.add_request(
@@ -187,6 +192,7 @@ def sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,  # O(output) held per request (async_llm.py)
+            structured=structured_output_of(request),  # compiled later, off the event loop
         )
         params.check_against(vocab_size, limits)
     except ParameterError as exc:

@@ -189,6 +189,3 @@ def _reject_unsupported(body: ChatCompletionRequest) -> None:
         raise APIError("top_logprobs requires logprobs to be true", "top_logprobs")
     if body.tools:
         raise APIError("tools are not supported by this server; omit them", "tools")
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(f"response_format {kind!r} is not supported; use 'text'", "response_format")
