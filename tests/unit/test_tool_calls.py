@@ -15,6 +15,7 @@ from kvserve.request import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, DeltaMessage, DeltaToolCall
 from kvserve.server.serving_chat import ChatHandler, messages_to_dicts
+from kvserve.server.tokenization import _chat
 from kvserve.server.tool_parsers import PARSERS, CallDelta, get_parser
 from kvserve.server.tools import (
     check_tools,
@@ -23,7 +24,6 @@ from kvserve.server.tools import (
     template_reads_tools,
     tool_call_grammar,
 )
-from kvserve.server.tokenization import _chat
 from kvserve.step import CompletionOutput, RequestOutput
 
 WEATHER = {
@@ -45,7 +45,10 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
 TOOLS = [WEATHER, TIME]
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+    "\n</tool_call>"
+)
 TWO_CALLS = (
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
     '"unit": "celsius", "x": {"deep": [1, {"y": "}"}]}}}\n</tool_call>\n<tool_call>\n'
@@ -58,7 +61,9 @@ PLAIN = "1 < 2 and <tool is not a call; a } brace."
 UNCLOSED = 'ok\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
 TRUNCATED = 'ok\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
 REORDERED = '<tool_call>{"arguments": {"a": 1}, "name": "get_time"}</tool_call>'
-ESCAPED = '<tool_call>\n{"name": "get_time", "arguments": {"q": "a \\"</b>\\" \\u00e9"}}\n</tool_call>'
+ESCAPED = (
+    '<tool_call>\n{"name": "get_time", "arguments": {"q": "a \\"</b>\\" \\u00e9"}}\n</tool_call>'
+)
 
 
 def parse(text):
@@ -386,6 +391,21 @@ def test_the_tool_grammars_compile_and_accept_only_calls(ll_tokenizer, embedded_
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
 
 
+def test_undeclared_arguments_are_refused_unless_the_schema_allows_them(
+    ll_tokenizer, embedded_tokenizer
+):
+    open_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+    extra = '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    plain = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    grammar = tool_call_grammar(check_tools([open_tool], "required", None))
+    assert matches(grammar, plain, ll_tokenizer, embedded_tokenizer)
+    assert not matches(grammar, extra, ll_tokenizer, embedded_tokenizer)
+    open_tool["function"]["parameters"]["additionalProperties"] = True
+    grammar = tool_call_grammar(check_tools([open_tool], "required", None))
+    assert matches(grammar, extra, ll_tokenizer, embedded_tokenizer)
+
+
 def test_a_function_name_needing_no_escape_and_a_schema_with_quotes_compile(ll_tokenizer):
     from llguidance import LLMatcher
 
@@ -417,7 +437,9 @@ def test_auto_response_has_tool_calls_and_finish_reason_tool_calls():
     message = first["message"]
     assert message["content"] == "Let me look.Done."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"])
+    assert all(
+        c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"]
+    )
     assert json.loads(message["tool_calls"][1]["function"]["arguments"]) == {}
     assert second == {**second, "finish_reason": "stop"}
     assert second["message"] == {"role": "assistant", "content": "no calls"}
@@ -434,15 +456,21 @@ def test_response_variants_none_single_named_length():
     assert len(message.tool_calls) == 1 and message.content is None
     assert json.loads(single.model_dump_json())["choices"][0]["message"]["content"] is None
     named_choice = {"type": "function", "function": {"name": "get_weather"}}
-    named = handler()._response("id", body, final_output(CALL), check_tools(TOOLS, named_choice, None))
+    named = handler()._response(
+        "id", body, final_output(CALL), check_tools(TOOLS, named_choice, None)
+    )
     assert named.choices[0].finish_reason == "stop"  # OpenAI's for a named function
-    cut = handler()._response("id", body, final_output(CALL, reason="length"), check_tools(TOOLS, "auto", None))
+    cut = handler()._response(
+        "id", body, final_output(CALL, reason="length"), check_tools(TOOLS, "auto", None)
+    )
     assert cut.choices[0].finish_reason == "length"
 
 
 def test_delta_messages_leave_out_what_is_absent():
-    first = DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="call_1", type="function",
-                                                   function={"name": "f", "arguments": ""})])  # fmt: skip
+    call = DeltaToolCall(
+        index=0, id="call_1", type="function", function={"name": "f", "arguments": ""}
+    )
+    first = DeltaMessage(tool_calls=[call])
     assert json.loads(first.model_dump_json()) == {
         "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                         "function": {"name": "f", "arguments": ""}}]}  # fmt: skip

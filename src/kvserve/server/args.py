@@ -67,7 +67,7 @@ class ServerConfig:
         default="hermes",
         metadata=_help(
             "How tool calls are read from the model's output in /v1/chat/completions "
-            "(vLLM's flag). hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> "
+            '(vLLM\'s flag). hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call> '
             "blocks (Hermes, Qwen 2.5/3, and the tool prompt kvserve writes for chat templates "
             "that ignore tools).",
             choices=sorted(PARSERS),

@@ -194,7 +194,9 @@ class ChatHandler(Handler):
                     message = AssistantMessage(
                         content=parsed.content,
                         tool_calls=[
-                            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                            ToolCall(
+                                id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+                            )
                             for c in calls
                         ],
                     )
@@ -260,7 +262,9 @@ class ChatHandler(Handler):
                 if tools.parse:
                     if out.index not in parsers:
                         parsers[out.index] = get_parser(self.ctx.tool_call_parser).stream()
-                    for choice in _tool_choices(out.index, delta, logprobs, parsers[out.index], tools):
+                    for choice in _tool_choices(
+                        out.index, delta, logprobs, parsers[out.index], tools
+                    ):
                         yield sse(self._chunk(request_id, [choice]))
                     continue
                 choice = ChatStreamChoice(
@@ -281,7 +285,7 @@ class ChatHandler(Handler):
 
 
 def _finish_reason(reason: str | None, tools: ToolRequest) -> str | None:
-    """"tool_calls" for an output that ended calling tools (as OpenAI and vLLM answer; a
+    """`tool_calls` for an output that ended calling tools (as OpenAI and vLLM answer; a
     named tool_choice ends in "stop", as OpenAI's does); "length" stays."""
     if reason == "stop" and tools.choice != "named":
         return "tool_calls"

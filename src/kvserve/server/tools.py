@@ -29,7 +29,11 @@ from kvserve.request import StructuredOutput
 from kvserve.server.errors import APIError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+EMPTY_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def check_tools(
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
-        raise APIError(f"{where} must be an object {{\"type\": \"function\", ...}}", where)
+        raise APIError(f'{where} must be an object {{"type": "function", ...}}', where)
     if tool.get("type") != "function":
         got = str(tool.get("type"))[:40]
         raise APIError(f"{where}.type must be 'function', got {got!r}", f"{where}.type")
@@ -83,7 +87,9 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
         )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise APIError(f"{where}.function.description must be a string", f"{where}.function.description")
+        raise APIError(
+            f"{where}.function.description must be a string", f"{where}.function.description"
+        )
     parameters = function.get("parameters")
     if parameters is not None:
         _check_schema(parameters, f"{where}.function.parameters")
@@ -95,7 +101,9 @@ def _check_schema(schema: Any, where: str) -> None:
         raise APIError(f"{where} must be a JSON schema object", where)
     kind = schema.get("type", "object")
     if kind != "object":
-        raise APIError(f"{where} must describe an object (type 'object'), got {str(kind)[:40]!r}", where)
+        raise APIError(
+            f"{where} must describe an object (type 'object'), got {str(kind)[:40]!r}", where
+        )
     try:
         import jsonschema  # noqa: PLC0415 - optional: a deeper check where it is installed
     except ImportError:
@@ -132,7 +140,7 @@ def _check_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
         return "named", name
     raise APIError(
         f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-        f"\"function\": {{\"name\": ...}}}}, got {str(tool_choice)[:40]!r}",
+        f'"function": {{"name": ...}}}}, got {str(tool_choice)[:40]!r}',
         "tool_choice",
     )
 
@@ -161,8 +169,12 @@ def tool_call_grammar(request: ToolRequest) -> str:
 
 def _grammar_schema(function: dict[str, Any]) -> dict[str, Any]:
     """The function's parameters; no free whitespace (a small model may write it forever),
-    the separators of json.dumps."""
+    the separators of json.dumps, and no arguments beyond the declared ones unless the schema
+    says `additionalProperties` itself (JSON schema's default allows any: a small model then
+    invents keys until max_tokens)."""
     schema = copy.deepcopy(function.get("parameters") or EMPTY_PARAMETERS)
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
     guidance = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
     schema["x-guidance"] = {
         "whitespace_flexible": False,
@@ -247,4 +259,5 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
 def _call_block(function: dict[str, Any]) -> str:
     arguments = function.get("arguments")
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {json.dumps(function["name"])}, "arguments": {text}}}\n</tool_call>'
+    head = json.dumps(function["name"])
+    return f'<tool_call>\n{{"name": {head}, "arguments": {text}}}\n</tool_call>'
