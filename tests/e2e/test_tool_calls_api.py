@@ -45,6 +45,7 @@ CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}
 # Greedy, the embedded model copies the block: a deterministic tool call without a grammar.
 COPY_A_CALL = [{"role": "user", "content": "Repeat this text exactly:\n" + CALL_TEXT}]
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in celsius."}]
+ASK_TIME = [{"role": "user", "content": "What time is it in the UTC timezone?"}]
 
 
 @pytest.fixture(scope="module")
@@ -204,9 +205,9 @@ def test_required_gives_a_call_that_fits_its_schema(client, model, structured):
 
 def test_a_named_function_is_called_streamed_and_not(client, model, structured):
     choice = {"type": "function", "function": {"name": "get_time"}}
-    response = create(client, model, ASK, tools=TOOLS, tool_choice=choice, max_tokens=40)
+    response = create(client, model, ASK_TIME, tools=TOOLS, tool_choice=choice, max_tokens=32)
     check_calls(response.choices[0].message, {"get_time"})
     assert len(response.choices[0].message.tool_calls) == 1
-    final, _ = streamed(client, model, ASK, tools=TOOLS, tool_choice=choice, max_tokens=40)
+    final, _ = streamed(client, model, ASK_TIME, tools=TOOLS, tool_choice=choice, max_tokens=32)
     assert final.choices[0].finish_reason == "stop"  # OpenAI's for a named function
     assert calls_of(final.choices[0].message) == calls_of(response.choices[0].message)
