@@ -110,6 +110,7 @@ def test_bad_tool_fields_are_400s_naming_the_field(http, model, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["code"] == 400
+    assert param in error["message"]
 
 
 def test_tokenize_templates_the_tools(http, model):
