@@ -41,12 +41,17 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation with the assistant's turn opened."""
+    """Token ids of a conversation with the assistant's turn opened; `tools` (OpenAI's
+    function definitions) go to the template as Hugging Face templates expect them."""
     if not tokenizer.chat_template:
         raise UserInputError("this model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -46,6 +46,7 @@ from kvserve.server.serving_chat import ChatHandler, chat_token_ids
 from kvserve.server.serving_completions import CompletionsHandler
 from kvserve.server.stats_logger import StatsLogger
 from kvserve.server.tokenization import ServerTokenizers
+from kvserve.server.tools import check_tools
 
 GIL_SWITCH_INTERVAL_S = 0.0002  # see run_server; KVSERVE_GIL_SWITCH_INTERVAL overrides (A/B)
 
@@ -133,7 +134,8 @@ async def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespo
         raise APIError("give exactly one of prompt or messages", "prompt")
     tokenizers = ctx.tokenizers
     if body.messages is not None:
-        token_ids = await chat_token_ids(ctx, body.messages)
+        tools = check_tools(body.tools, None, None).tools
+        token_ids = await chat_token_ids(ctx, body.messages, tools)
     else:
         ctx.check_text(len(body.prompt), "prompt")
         token_ids = await tokenizers.encode(body.prompt, body.add_special_tokens)
@@ -224,7 +226,15 @@ def serving_context(
         "max_model_len": str(engine.max_model_len),
     }
     metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info)
-    return ServingContext(async_llm, name, metrics, limits, tokenizers, config.stream_stall_timeout)
+    return ServingContext(
+        async_llm,
+        name,
+        metrics,
+        limits,
+        tokenizers,
+        config.stream_stall_timeout,
+        tool_call_parser=config.tool_call_parser,
+    )
 
 
 SEND_BUFFER_BYTES = 256 * 1024  # ~5 MB/s per connection at a 50 ms round trip

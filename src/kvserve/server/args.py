@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import ParameterError
+from kvserve.server.tool_parsers import PARSERS
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -62,6 +63,16 @@ class ServerConfig:
             "--max-num-batched-tokens, so a long prompt is many short steps, not a stall."
         ),
     )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata=_help(
+            "How tool calls are read from the model's output in /v1/chat/completions "
+            '(vLLM\'s flag). hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call> '
+            "blocks (Hermes, Qwen 2.5/3, and the tool prompt kvserve writes for chat templates "
+            "that ignore tools).",
+            choices=sorted(PARSERS),
+        ),
+    )
     disable_uvicorn_access_log: bool = field(
         default=False, metadata=_help("Do not log one line per HTTP request.")
     )
@@ -79,5 +90,9 @@ class ServerConfig:
             raise ParameterError("--stream-stall-timeout", "must be >= 0 seconds (0 turns it off)")
         if self.engine_stall_timeout < 0:
             raise ParameterError("--engine-stall-timeout", "must be >= 0 seconds (0 turns it off)")
+        if self.tool_call_parser not in PARSERS:
+            raise ParameterError(
+                "--tool-call-parser", f"must be one of {', '.join(sorted(PARSERS))}"
+            )
         if self.api_key == "":
             raise ParameterError("--api-key", "must not be empty (omit it to serve without a key)")

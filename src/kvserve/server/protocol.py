@@ -67,10 +67,25 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCallIn(BaseModel):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -79,7 +94,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Checked in server/tools.py, so that a 400 names tools[i].function.name and the like.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
+    parallel_tool_calls: bool | None = True
 
 
 # ---------------------------------------------------------------------- responses
@@ -143,20 +161,59 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str = ""
-
-
-class DeltaMessage(BaseModel):
-    """A streamed message fragment; absent fields are left out, as OpenAI sends them."""
-
-    role: str | None = None
-    content: str | None = None
+class _NoneDropped(BaseModel):
+    """Fields that are None are left out, as OpenAI sends stream fragments."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = ""  # None when the message is tool calls alone
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class DeltaFunctionCall(_NoneDropped):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_NoneDropped):
+    """A fragment of call `index`: the first one has id, type and name; later ones add to
+    function.arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_NoneDropped):
+    """A streamed message fragment; absent fields are left out, as OpenAI sends them."""
+
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoiceEnd(ChoiceEnd):
@@ -202,6 +259,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: as /v1/chat/completions templates them
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

@@ -37,6 +37,7 @@ class ServingContext:
     limits: RequestLimits
     tokenizers: ServerTokenizers
     stream_stall_timeout: float = 0.0  # --stream-stall-timeout; 0: never
+    tool_call_parser: str = "hermes"  # --tool-call-parser: a name in tool_parsers.PARSERS
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     @property

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvserve.server.tools import for_template
 from kvserve.tokenizer import apply_chat_template
 
 T = TypeVar("T")
@@ -54,14 +55,26 @@ class ServerTokenizers:
     async def decode(self, token_ids: list[int]) -> str:
         return await self.run(_decode, token_ids)
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self.run(apply_chat_template, messages)
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return await self.run(_chat, messages, tools)
 
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return await self.run(_convert_ids_to_tokens, token_ids)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """The chat template, with tools rendered by kvserve where it ignores them (tools.py)."""
+    template = tokenizer.chat_template
+    if isinstance(template, str):
+        messages, tools = for_template(template, messages, tools)
+    return apply_chat_template(tokenizer, messages, tools)
 
 
 def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
