@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from kvserve.config import CacheConfig, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
-from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
@@ -39,7 +39,7 @@ from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import RequestStatus, SamplingParams
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
@@ -187,21 +187,9 @@ class LLMEngine:
             raise ParameterError("prompt", f"token ids must be in [0, {vocab_size}), got {bad}")
         if params.structured is not None:  # compiled (cached by content: the server
             self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
-        child_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        )
-        children = [
-            Request(
-                request_id=child_id,
-                prompt_token_ids=token_ids,
-                sampling_params=self._child_params(params, i),
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                fork_of=child_ids[0] if i else None,
-                cache_salt=cache_salt,
-            )
-            for i, child_id in enumerate(child_ids)
-        ]
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = make_children(request_id, token_ids, params, self.eos_token_ids, arrival,
+                                 cache_salt)  # fmt: skip
         added = []
         try:
             for child in children:
@@ -217,12 +205,6 @@ class LLMEngine:
             raise
         self.output_processor.add_request(request_id, text, token_ids, children,
                                           params.output_kind)  # fmt: skip
-
-    @staticmethod
-    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-        """Child i of an n-sample request samples with seed + i (reproducible per sample)."""
-        seed = None if params.seed is None else params.seed + index
-        return replace(params, n=1, seed=seed)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a user request now; its blocks are freed at once."""
@@ -303,12 +285,7 @@ class LLMEngine:
         with record_function("kvserve::model"):
             runner_output = self.executor.execute(scheduler_output)
         with record_function("kvserve::update_detokenize"):
-            grammar_stops = None
-            if scheduler_output.grammar_request_ids:
-                grammar_stops = self.structured.advance(
-                    scheduler_output, runner_output.sampled_token_ids
-                )
-            updated = self.scheduler.update_from_output(
-                scheduler_output, runner_output.sampled_token_ids, grammar_stops
-            )
+            sampled = runner_output.sampled_token_ids
+            grammar_stops = self.structured.advance(scheduler_output, sampled)  # {}: none
+            updated = self.scheduler.update_from_output(scheduler_output, sampled, grammar_stops)
             return self.output_processor.process_outputs(updated, runner_output.logprobs)

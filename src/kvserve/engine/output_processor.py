@@ -11,7 +11,7 @@ blocks at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.engine.stopping import StopStrings
 from kvserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
@@ -67,6 +67,33 @@ class _UserRequest:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     sequences: dict[str, _Sequence] = field(default_factory=dict)
     num_cached_tokens: int = 0
+
+
+def make_children(
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    arrival_time: float,
+    cache_salt: str | None,
+) -> list[Request]:
+    """The sequences of one user request: itself for n == 1, else n children `id-i`, child i
+    sampling with seed + i (reproducible per sample), the later ones forks of the first."""
+    child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+    return [
+        Request(
+            request_id=child_id,
+            prompt_token_ids=token_ids,
+            sampling_params=replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            ),
+            eos_token_ids=eos_token_ids,
+            arrival_time=arrival_time,
+            fork_of=child_ids[0] if i else None,
+            cache_salt=cache_salt,
+        )
+        for i, child_id in enumerate(child_ids)
+    ]
 
 
 class OutputProcessor:
