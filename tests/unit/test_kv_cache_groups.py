@@ -190,6 +190,7 @@ def test_hybrid_prefix_found_in_the_host_tier_is_loaded_into_each_group():
     assert len(loads) == 10 + (10 - kept)
     [window] = cm.group_block_tables("b")
     assert window[:kept] == [NULL_BLOCK] * kept and min(window[kept:]) >= 0
+    assert len(window) == len(cm.block_table("b")) == 13  # 200 tokens
     assert min(cm.block_table("b")) >= 0
     cm.check_invariants()
 

@@ -367,8 +367,9 @@ class KVCacheManager:
             self._free_out_of_window(tables, num_computed_tokens)
         grown = tables if tables is not None else cached.tables(self.num_groups)
         num_needed = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        # One full group's host hits follow its table; the groups' are in their tables already.
         num_host = len(cached.host_keys) + len(cached.host_entries)
-        num_new_blocks = [max(0, num_needed - len(t) - (num_host if g == 0 else 0))
+        num_new_blocks = [max(0, num_needed - len(t) - (len(cached.host_keys) if g == 0 else 0))
                           for g, t in enumerate(grown)]  # fmt: skip
         shared = [self._shared_block_index(t, num_computed_tokens) for t in grown]
         num_copies = sum(index is not None for index in shared)
