@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 from e2e_server import ServerProcess, launch_server
+from openai import OpenAI
 from ray_cluster import ray_cluster
 
 
@@ -37,6 +38,18 @@ def http(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[http
     timeout = getattr(request.module, "HTTP_TIMEOUT_S", 120.0)
     with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> OpenAI:
+    """The official client on the module's `server` (its own fixture)."""
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: OpenAI) -> str:
+    """The name the module's server serves its model under."""
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

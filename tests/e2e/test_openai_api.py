@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from e2e_server import ServerProcess, scrape, wait_for_idle
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from kvserve import LLM, SamplingParams
 from kvserve.step import RequestOutput
@@ -60,16 +60,6 @@ def server(started) -> ServerProcess:
 @pytest.fixture(scope="module")
 def reference(started) -> Reference:
     return started[1]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_lists_the_served_model(client, model):

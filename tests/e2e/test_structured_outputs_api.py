@@ -43,16 +43,6 @@ def server(server_factory) -> ServerProcess:
     return server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
 

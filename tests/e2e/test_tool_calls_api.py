@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai import OpenAI
 
 WEATHER = {
     "type": "function",
@@ -53,16 +52,6 @@ def server(server_factory):
     server = server_factory("--kv-cache-memory", "128MiB")
     server.wait_healthy()
     return server
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def create(client, model, messages, **kwargs):
