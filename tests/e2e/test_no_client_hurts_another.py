@@ -113,7 +113,7 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
     idle = [small_request(http) for _ in range(3)]
     expensive = {
         "prompt": "Write a long story about a lighthouse keeper. " * 20,
-        "n": 16, "max_tokens": 2000, "min_tokens": 64, "temperature": 1.0, "logprobs": 20,
+        "n": 16, "max_tokens": 2000, "min_tokens": 2000, "temperature": 1.0, "logprobs": 20,
         "ignore_eos": True,
         "stop_token_ids": list(range(1000, 2024)), "cache_salt": "s" * 1024,
         "stop": [chr(0x4E00 + i) * 256 for i in range(16)], "stream": True,
