@@ -14,14 +14,14 @@ from kvserve.attention import quant
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 
-KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"]
+KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
 SHAPES = [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)]  # H, Hkv, D, bs
 CPU = torch.device("cpu")
 
 
 def filled_cache(kv_dtype, num_blocks, block_size, heads, dim, gen, device=CPU) -> LayerKVCache:
     """Every slot written through LayerKVCache.write (random values drawn on the CPU)."""
-    shape = (num_blocks, block_size, heads, dim)
+    shape = (num_blocks, block_size, heads, quant.stored_width(kv_dtype, dim))
     scaled = kv_dtype in quant.SCALED_DTYPES
     store = quant.storage_dtype(kv_dtype)
     cache = LayerKVCache(

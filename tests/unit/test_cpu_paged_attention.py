@@ -34,7 +34,7 @@ def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 96, 32), (6, 2, 32, 16), (2, 2, 64, 4),
@@ -173,7 +173,7 @@ def test_backend_choice():
         select_backend("cpu-paged", torch.device("cuda"))
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
     """A decode-only step through forward(): the kernel stores each sequence's new K/V row
     itself (unquantized caches; an 8-bit one stores first, as before) and attends it.  The
@@ -193,7 +193,9 @@ def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
     slots = decode.decode_block_tables[torch.arange(len(seq_lens)), last // block_size]
     md = AttentionMetadata(slots * block_size + last % block_size, len(seq_lens),
                            decode.decode_block_tables, decode.decode_seq_lens, ())  # fmt: skip
-    model_dtype = torch.float32 if kv_dtype in ("float32", "int8") else getattr(torch, kv_dtype)
+    model_dtype = (
+        torch.float32 if kv_dtype in ("float32", "int8", "int4") else getattr(torch, kv_dtype)
+    )
     qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * dim, generator=gen)
     q, k, v = qkv.to(model_dtype).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     q = q.reshape(-1, heads, dim)
@@ -208,7 +210,7 @@ def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_chunks_after_cached_context_equal_reference(kv_dtype):
     """A step of decodes and prefill chunks, two of them after cached context: an unquantized
     cache's chunks attend their context and themselves in two calls merged by log-sum-exp
@@ -218,7 +220,7 @@ def test_chunks_after_cached_context_equal_reference(kv_dtype):
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     md, num_blocks, num_tokens = mixed_step(block_size, gen)
     assert sum(span.seq_len > span.num_query for span in md.prefills) == 2
-    dtype = torch.float32 if kv_dtype in ("float32", "int8") else getattr(torch, kv_dtype)
+    dtype = torch.float32 if kv_dtype in ("float32", "int8", "int4") else getattr(torch, kv_dtype)
     q, k, v = (torch.randn(num_tokens, n, dim, generator=gen).to(dtype)
                for n in (heads, kv_heads, kv_heads))  # fmt: skip
     caches, outputs = [], []

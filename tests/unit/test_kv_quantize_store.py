@@ -1,5 +1,5 @@
 """The one-pass C quantize-and-store (attention/csrc/kv_quantize.c) against attention/quant.py: the
-same codes and scales, bit for bit, for every 8-bit dtype, from float32 and bfloat16 rows, in
+same codes and scales, bit for bit, for every 8- and 4-bit dtype, from float32 and bfloat16 rows, in
 contiguous and strided (a column slice of a fused QKV output) layouts, with tiny values
 (fp8 subnormals), zeros, values past the formats' ranges and ties."""
 
@@ -31,7 +31,7 @@ def rows(dtype: torch.dtype, strided: bool, gen: torch.Generator) -> torch.Tenso
 
 def empty_cache(kv_dtype: str, num_slots: int, heads: int) -> LayerKVCache:
     store = quant.storage_dtype(kv_dtype)
-    shape = (num_slots // 16, 16, heads, 64)
+    shape = (num_slots // 16, 16, heads, quant.stored_width(kv_dtype, 64))
     scaled = kv_dtype in quant.SCALED_DTYPES
     return LayerKVCache(
         torch.zeros(shape, dtype=store), torch.zeros(shape, dtype=store),
@@ -50,13 +50,14 @@ def test_codes_and_scales_equal_the_torch_quantizer(kv_dtype, dtype, strided):
     slots = torch.randperm(160, generator=gen)[:37]
     cache.write(slots, x, x)
     codes, scales = quant.quantize(x, kv_dtype)
-    assert torch.equal(cache.key.view(-1, 3, 64)[slots], codes)
-    assert torch.equal(cache.value.view(-1, 3, 64)[slots], codes)
+    width = quant.stored_width(kv_dtype, 64)
+    assert torch.equal(cache.key.view(-1, 3, width)[slots], codes)
+    assert torch.equal(cache.value.view(-1, 3, width)[slots], codes)
     if scales is not None:
         assert torch.equal(cache.key_scale.view(-1, 3)[slots], scales)
     untouched = torch.ones(160, dtype=torch.bool)
     untouched[slots] = False
-    assert not cache.key.view(-1, 3, 64)[untouched].any()  # nothing else written
+    assert not cache.key.view(-1, 3, width)[untouched].any()  # nothing else written
 
 
 @pytest.mark.parametrize("kv_dtype", list(quant.FP8_TORCH_DTYPES))
@@ -95,3 +96,18 @@ def test_a_cache_of_the_rows_dtype_stores_them_as_they_are(dtype, strided, num_t
     untouched = torch.ones(shape[0] * 16, dtype=torch.bool)
     untouched[slots] = False
     assert not cache.key.view(-1, 3, 64)[untouched].any()
+
+
+def test_int4_codes_are_nibbles_of_the_mid_rise_grid():
+    """int4 by hand: scale = amax / 8, code = clamp(floor(x / scale) + 8, 0, 15), value 2j in
+    byte j's low nibble; the C store writes exactly these bytes."""
+    x = torch.tensor([8.0, -8.0, 0.0, -0.1, 7.9, 1.0] + [0.0] * 58).view(1, 1, 64)
+    codes, scales = quant.quantize(x, "int4")
+    assert scales.item() == 1.0
+    # codes 15 (8 -> floor 8 + 8 = 16, clamped), 0, 8, 7, 15, 9
+    assert codes[0, 0, :3].tolist() == [15 | 0 << 4, 8 | 7 << 4, 15 | 9 << 4]
+    values = quant.dequantize(codes, scales, "int4", torch.float32)
+    assert values[0, 0, :6].tolist() == [7.5, -7.5, 0.5, -0.5, 7.5, 1.5]
+    cache = empty_cache("int4", 16, 1)
+    cache.write(torch.tensor([5]), x, x)
+    assert torch.equal(cache.key.view(-1, 1, 32)[5], codes[0])

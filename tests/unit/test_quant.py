@@ -101,7 +101,12 @@ def test_the_token_head_absmax_is_stored_exactly_enough_and_zeros_stay_zero():
     for kv_dtype in quant.QUANTIZED_DTYPES:
         out, _ = round_trip(x, kv_dtype)
         assert torch.isfinite(out).all()
-        assert (out[0] == 0).all() and (out[1, 1] == 0).all() and (out[2] == 0).all()
+        zeros = torch.cat((out[0], out[1, 1:], out[2]))
+        if kv_dtype == "int4":  # mid-rise: no zero level, zeros come back as half a step
+            assert zeros.abs().max().item() <= 0.5e-12  # of the smallest scale
+            assert out[1, 0, -1].item() == 7.0 - 7.0 / 16  # the absmax: half a step of 7 / 8
+            continue
+        assert (zeros == 0).all()
         assert out[1, 0, -1].item() == pytest.approx(7.0, rel=1e-6)  # the absmax itself
 
 

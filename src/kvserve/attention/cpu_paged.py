@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from kvserve.attention import bf16_prefill, shared_prefix
+from kvserve.attention import bf16_prefill, quant, shared_prefix
 from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import (
@@ -165,6 +165,10 @@ class CpuPagedBackend(TorchRefBackend):
             # alone) passes no window to the decode kernel, and its steps could not be tested
             # on the CPUs this was written on, so windowed layers call `forward`.
             or metadata.sliding_window
+            # A 4-bit cache: rows are rotated around each layer's `forward` (rotation.py), and
+            # the one-call step (layer/decode_layer.c) neither rotates nor stores 4-bit codes.
+            or first.rotated
+            or first.kv_dtype in quant.PACKED_DTYPES
             or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
             or metadata.prefills
             or first.key.device.type != "cpu"

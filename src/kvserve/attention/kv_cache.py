@@ -1,8 +1,9 @@
-"""Per-layer K/V cache tensors (+ scales for scaled 8-bit dtypes), allocated once at start-up.
+"""Per-layer K/V cache tensors (+ scales for scaled dtypes), allocated once at start-up.
 
-Layout of one layer: key/value [num_blocks, block_size, num_kv_heads, head_dim].  A token's
-slot is block_id * block_size + offset, so viewing the first two dims as one gives the
-[num_slots, heads, dim] table that writes index into.
+Layout of one layer: key/value [num_blocks, block_size, num_kv_heads, head_dim] (head_dim / 2
+bytes for int4, two codes a byte).  A token's slot is block_id * block_size + offset, so
+viewing the first two dims as one gives the [num_slots, heads, dim] table that writes index
+into.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class LayerKVCache:
     key_scale: torch.Tensor | None  # [num_blocks, block_size, kv_heads] float32, scaled dtypes
     value_scale: torch.Tensor | None
     kv_dtype: str  # resolved storage dtype name ("float32", "int8", ...)
+    # The rows are stored rotated (attention/rotation.py): queries are rotated to match and
+    # outputs rotated back around the backend's call.  int4 caches, unless asked otherwise.
+    rotated: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -73,9 +77,9 @@ class LayerKVCache:
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's K/V: slot_mapping [T], k/v [T, kv_heads, head_dim]."""
-        heads, dim = self.key.shape[2], self.key.shape[3]
+        heads, width = self.key.shape[2], self.key.shape[3]
         for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
-            flat = cache.view(-1, heads, dim)
+            flat = cache.view(-1, heads, width)
             if self.quantized:
                 if _store_quantized_in_c(x, flat, scales, slot_mapping, self):
                     continue
@@ -129,13 +133,20 @@ def _take_blocks(table: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device, pin_memory: bool = False
+    spec: KVCacheSpec,
+    num_blocks: int,
+    device: torch.device,
+    pin_memory: bool = False,
+    rotate: bool = True,
 ) -> list[LayerKVCache]:
     """One LayerKVCache per layer for `num_blocks` blocks, as the accounting in `spec` says.
     With KV cache groups the layers of one slot share one LayerKVCache (the same object): a
     block id belongs to one group at a time, and slot j of it holds that group's j-th layer.
-    `pin_memory` (a CPU device only): page-locked, for the host tier of a CUDA cache."""
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    `pin_memory` (a CPU device only): page-locked, for the host tier of a CUDA cache.
+    `rotate`: 4-bit caches keep rotated rows (quant.ROTATED_DTYPES); False for the
+    evaluation's unrotated int4, which measures what the rotation buys."""
+    width = quant.stored_width(spec.dtype, spec.head_dim)
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, width)
     dtype = quant.storage_dtype(spec.dtype)
     scaled = spec.dtype in quant.SCALED_DTYPES
     huge = device.type == "cpu" and not pin_memory
@@ -154,6 +165,7 @@ def allocate_kv_caches(
                 key_scale=table(shape[:3], torch.float32, 1) if scaled else None,
                 value_scale=table(shape[:3], torch.float32, 1) if scaled else None,
                 kv_dtype=spec.dtype,
+                rotated=rotate and spec.dtype in quant.ROTATED_DTYPES,
             )
         )
     return [caches[slot] for slot in spec.slot_of_layers()]

@@ -1,7 +1,7 @@
 """KV memory accounting: the one function the engine's sizing, the planner and the metrics use.
 
-    KV bytes = 2 (K and V) x tokens x layers x kv_heads x head_dim x bytes_per_value
-               (+ scale bytes for 8-bit dtypes that need them)
+    KV bytes = 2 (K and V) x tokens x layers x kv_heads x head_dim x bits_per_value / 8
+               (+ scale bytes for the quantized dtypes that keep them)
 
 Pure Python (no torch): the planner must run without a model or a device.
 """
@@ -13,19 +13,20 @@ from dataclasses import dataclass
 
 from kvserve.errors import ParameterError
 
-# Bytes of one stored value for each KV dtype name ("auto" resolves to the model dtype first).
-DTYPE_BYTES = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
+# Bits of one stored value for each KV dtype name ("auto" resolves to the model dtype first).
+DTYPE_BITS = {
+    "float32": 32,
+    "bfloat16": 16,
+    "float16": 16,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "int8": 8,
+    "int4": 4,  # two codes a byte (head_dim is even in every model kvserve loads)
 }
 
-# 8-bit formats with a narrow range keep one float32 scale per (token, kv head) for K and for
-# V; e5m2 has the range of fp16 and needs none.  See attention/quant.py for why this granularity.
-SCALE_BYTES_PER_TOKEN_HEAD = {"fp8_e4m3": 4, "int8": 4}
+# Formats with a narrow range keep one float32 scale per (token, kv head) for K and for V;
+# e5m2 has the range of fp16 and needs none.  See attention/quant.py for why this granularity.
+SCALE_BYTES_PER_TOKEN_HEAD = {"fp8_e4m3": 4, "int8": 4, "int4": 4}
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -34,7 +35,7 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
         return model_dtype
     if kv_cache_dtype == "fp8":
         return "fp8_e4m3"
-    if kv_cache_dtype not in DTYPE_BYTES:
+    if kv_cache_dtype not in DTYPE_BITS:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}")
     return kv_cache_dtype
 
@@ -111,8 +112,8 @@ class KVCacheSpec:
         return slots
 
     @property
-    def bytes_per_value(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def bits_per_value(self) -> int:
+        return DTYPE_BITS[self.dtype]
 
     @property
     def scale_bytes_per_token_head(self) -> int:
@@ -120,7 +121,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        per_head = self.head_dim * self.bytes_per_value + self.scale_bytes_per_token_head
+        per_head = self.head_dim * self.bits_per_value // 8 + self.scale_bytes_per_token_head
         return 2 * self.num_kv_heads * per_head
 
     @property

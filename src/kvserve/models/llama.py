@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from kvserve.attention import rotation
 from kvserve.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -402,9 +403,10 @@ class LlamaForCausalLM(nn.Module):
             layer_md = metadata if layer_metadata is None else layer_metadata[index]
             layer_md = with_window(layer_md, layer.sliding_window)
             with record_function("kvserve::attention"):
-                attn = backend.forward(
-                    q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md, layer.scale
-                )
+                attn = rotation.attend(
+                    backend, q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md,
+                    layer.scale,
+                )  # fmt: skip
             if index + 1 < len(layers):
                 hidden, q, k, v = kernels.between_attentions(
                     layer, layers[index + 1], hidden, attn, *tables[index + 1]

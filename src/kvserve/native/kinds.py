@@ -23,6 +23,7 @@ class Kind(IntEnum):
     I8 = 3
     E4M3 = 5
     E5M2 = 6
+    I4 = 7  # two 4-bit codes a byte (attention/quant.py's int4)
 
 
 _KIND_OF_DTYPE = {
@@ -31,8 +32,8 @@ _KIND_OF_DTYPE = {
     torch.float16: Kind.F16,
     torch.int8: Kind.I8,
 }
-# fp8 is stored as bytes: the format's name tells e4m3 from e5m2.
-_KIND_OF_FP8 = {"fp8_e4m3": Kind.E4M3, "fp8_e5m2": Kind.E5M2}
+# fp8 and int4 are stored as bytes: the format's name tells which.
+_KIND_OF_BYTES = {"fp8_e4m3": Kind.E4M3, "fp8_e5m2": Kind.E5M2, "int4": Kind.I4}
 STORAGE_DTYPE = {
     Kind.F32: torch.float32,
     Kind.BF16: torch.bfloat16,
@@ -40,14 +41,15 @@ STORAGE_DTYPE = {
     Kind.I8: torch.int8,
     Kind.E4M3: torch.uint8,
     Kind.E5M2: torch.uint8,
+    Kind.I4: torch.uint8,
 }
 FP8_DTYPE = {Kind.E4M3: torch.float8_e4m3fn, Kind.E5M2: torch.float8_e5m2}
 
 
 def kind_of(dtype: torch.dtype, kv_dtype: str = "") -> Kind:
-    """The kind of a tensor of `dtype`; bytes (uint8) are fp8, `kv_dtype` says which format
-    ("fp8_e4m3" or "fp8_e5m2").  KeyError for a dtype the kernels do not store."""
-    return _KIND_OF_FP8[kv_dtype] if dtype == torch.uint8 else _KIND_OF_DTYPE[dtype]
+    """The kind of a tensor of `dtype`; bytes (uint8) are fp8 or int4, `kv_dtype` says which
+    ("fp8_e4m3", "fp8_e5m2" or "int4").  KeyError for a dtype the kernels do not store."""
+    return _KIND_OF_BYTES[kv_dtype] if dtype == torch.uint8 else _KIND_OF_DTYPE[dtype]
 
 
 @functools.cache

@@ -177,7 +177,8 @@ class Kernels:
         if not (
             (query.dtype is _F32 or query.dtype is _BF16) and out.dtype is query.dtype
             and out.shape == q_shape and query.is_contiguous() and out.is_contiguous()
-            and k_shape[3] == dim and num_heads % num_kv_heads == 0
+            and k_shape[3] == (dim // 2 if kind is Kind.I4 else dim)
+            and num_heads % num_kv_heads == 0
             and value.dtype is key.dtype and value.shape == k_shape
             and key.is_contiguous() and value.is_contiguous()
             and (key_scale is value_scale is None or _scales(key_scale, value_scale, k_shape))
@@ -279,8 +280,8 @@ class Kernels:
     def kv_quantize_store(
         self,
         rows: torch.Tensor,  # [T, Hkv, D] float32 or bfloat16, each row contiguous
-        cache: torch.Tensor,  # [slots, Hkv, D] 8-bit codes of `kind`, contiguous
-        scales: torch.Tensor | None,  # slots x Hkv float32 (int8, e4m3; any shape), else None
+        cache: torch.Tensor,  # [slots, Hkv, D] codes of `kind` (D / 2 bytes for I4), contiguous
+        scales: torch.Tensor | None,  # slots x Hkv float32 (int8, e4m3, int4), else None
         slots: torch.Tensor,  # [T] int64
         kind: Kind,
     ) -> None:
@@ -289,8 +290,10 @@ class Kernels:
         r_shape, c_shape = rows.shape, cache.shape
         if not (
             (rows.dtype is _F32 or rows.dtype is _BF16) and _rows(rows)
-            and kind in (Kind.I8, Kind.E4M3, Kind.E5M2) and cache.dtype is STORAGE_DTYPE[kind]
-            and len(c_shape) == 3 and c_shape[1] == r_shape[1] and c_shape[2] == r_shape[2]
+            and kind in (Kind.I8, Kind.E4M3, Kind.E5M2, Kind.I4)
+            and cache.dtype is STORAGE_DTYPE[kind] and len(c_shape) == 3
+            and c_shape[1] == r_shape[1]
+            and c_shape[2] == (r_shape[2] // 2 if kind is Kind.I4 else r_shape[2])
             and cache.is_contiguous()
             and (scales is None if kind == Kind.E5M2 else scales is not None
                  and scales.dtype is _F32 and scales.is_contiguous()
@@ -298,9 +301,9 @@ class Kernels:
             and slots.dtype is _INT64 and slots.shape == r_shape[:1] and slots.is_contiguous()
         ):  # fmt: skip
             _refuse("kv_quantize_store", f"float32 or bfloat16 rows [T, Hkv, D] into a "
-                    f"contiguous {kind.name} cache [slots, Hkv, D] (contiguous float32 scales, "
-                    "slots x Hkv, for I8 and E4M3), int64 slots [T]", rows=rows, cache=cache,
-                    scales=scales, slots=slots)  # fmt: skip
+                    f"contiguous {kind.name} cache [slots, Hkv, D] (D / 2 for I4; contiguous "
+                    "float32 scales, slots x Hkv, for I8, E4M3 and I4), int64 slots [T]",
+                    rows=rows, cache=cache, scales=scales, slots=slots)  # fmt: skip
         num_tokens, heads, dim = rows.shape
         self.lib.kv_quantize_store(
             rows.data_ptr(), kind_of(rows.dtype), rows.stride(0), cache.data_ptr(),

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvserve.kv.spec import (
-    DTYPE_BYTES,
+    DTYPE_BITS,
     SCALE_BYTES_PER_TOKEN_HEAD,
     blocks_kept,
     cdiv,
@@ -179,7 +179,7 @@ def _group(
 def mla_bytes_per_token_per_layer(shape: ModelShape, dtype: str) -> int:
     """(kv_lora_rank + qk_rope_head_dim) values, plus one scale for dtypes that carry scales."""
     latent = (shape.kv_lora_rank or 0) + shape.qk_rope_head_dim
-    return latent * DTYPE_BYTES[dtype] + SCALE_BYTES_PER_TOKEN_HEAD.get(dtype, 0)
+    return latent * DTYPE_BITS[dtype] // 8 + SCALE_BYTES_PER_TOKEN_HEAD.get(dtype, 0)
 
 
 def _formula(
@@ -191,7 +191,7 @@ def _formula(
 ) -> tuple[str, ...]:
     """Say which formula produced the numbers, with this model's values filled in."""
     num_kv_layers = sum(g.num_layers for g in groups)
-    value = f"{DTYPE_BYTES[dtype]} B ({dtype})"
+    value = f"{DTYPE_BITS[dtype] / 8:g} B ({dtype})"
     scale = SCALE_BYTES_PER_TOKEN_HEAD.get(dtype, 0)
     if shape.is_mla:
         lines = [

@@ -128,8 +128,13 @@ def plot_plan(plan: Plan, shape: ModelShape, path: Path) -> None:
 
     contexts = [max(1, round(plan.context_len * i / 200)) for i in range(201)]
     counts = seq_counts_to_draw(plan.batch_size)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True, squeeze=False)
-    for ax, d in zip(axes.flat, plan.dtypes, strict=True):
+    columns = -(-len(plan.dtypes) // 2)
+    fig, axes = plt.subplots(
+        2, columns, figsize=(5.5 * columns, 8), sharex=True, sharey=True, squeeze=False
+    )
+    for ax in list(axes.flat)[len(plan.dtypes) :]:
+        ax.set_visible(False)  # an odd number of dtypes leaves one panel empty
+    for ax, d in zip(axes.flat, plan.dtypes, strict=False):
         layout = kv_layout(shape, d.kv_cache_dtype, plan.block_size, plan.tensor_parallel_size)
         per_seq = [layout.bytes_per_sequence(n) / 2**30 for n in contexts]
         for count in counts:

@@ -1,6 +1,6 @@
 /*
- * paged_decode.c's path for any CPU: each cached row widened to float32 (8-bit rows scaled,
- * fp8 through a 256-entry table), dot products and p x V on AVX2 + FMA where the build has
+ * paged_decode.c's path for any CPU: each cached row widened to float32 (8- and 4-bit rows
+ * scaled, fp8 through a 256-entry table), dot products and p x V on AVX2 + FMA where the build has
  * them (scalar loops otherwise), an online softmax per block.  Every kind, every head size.
  *
  * A part of paged_decode.c, included once by it (one translation unit, so that the compiler
@@ -66,7 +66,39 @@ static const float *load_row(const void *cache, int kind, int64_t row, int dim, 
     }
     case KV_I8: {
         const int8_t *src = (const int8_t *)cache + row;
-        for (d = 0; d < dim; d++) dst[d] = (float)src[d] * scale;
+        d = 0;
+#if defined(__AVX2__)
+        const __m256 s8 = _mm256_set1_ps(scale);
+        for (; d + 8 <= dim; d += 8) {
+            __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)));
+            _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), s8));
+        }
+#endif
+        for (; d < dim; d++) dst[d] = (float)src[d] * scale;
+        return dst;
+    }
+    case KV_I4: { /* two codes a byte, 2j low: (code - 7.5) x scale, as quant.dequantize */
+        const uint8_t *src = (const uint8_t *)cache + row / 2;
+        d = 0;
+#if defined(__AVX2__)
+        const __m256 s8 = _mm256_set1_ps(scale), half = _mm256_set1_ps(7.5f);
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        for (; d + 32 <= dim; d += 32) { /* 16 bytes: their nibbles interleaved back in order */
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(src + d / 2));
+            __m128i lo = _mm_and_si128(bytes, low4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+            for (int c = 0; c < 4; c++) {
+                __m128i eight = c & 1 ? _mm_srli_si128(codes[c / 2], 8) : codes[c / 2];
+                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+                _mm256_storeu_ps(dst + d + 8 * c, _mm256_mul_ps(_mm256_sub_ps(v, half), s8));
+            }
+        }
+#endif
+        for (; d < dim; d++) {
+            int code = d & 1 ? src[d / 2] >> 4 : src[d / 2] & 15;
+            dst[d] = ((float)code - 7.5f) * scale;
+        }
         return dst;
     }
     default: { /* KV_E4M3, KV_E5M2: through the 256-entry table */
@@ -213,11 +245,11 @@ static inline void block_rows(const void *cache, const float *scales, int kind, 
  * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
 static void attend_sequence(const float *q, float *out, const void *key, const void *value,
                             const float *key_scale, const float *value_scale, const float *lut,
-                            int kind, int elem_bytes, const int64_t *table, int64_t seq_len,
+                            int kind, int64_t row_bytes, const int64_t *table, int64_t seq_len,
                             int skip, int num_kv_heads, int group, int dim, int block_size,
                             float sm_scale, float *work, float *lse) {
     const int num_heads = num_kv_heads * group;
-    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * dim * elem_bytes;
+    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * row_bytes;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     float *run_max = work, *run_sum = run_max + num_heads, *probs = run_sum + num_heads;
     float *key_buf = probs + group * block_size, *value_buf = key_buf + block_size * dim;

@@ -9,8 +9,9 @@
  *
  *   x       [T, heads, dim] rows, row (t, h) at x + t * token_stride + h * dim elements,
  *           float32 or bfloat16 (src_kind KV_F32 or KV_BF16; float16 stays in torch)
- *   cache   [slots, heads, dim] codes; scales [slots, heads] float32 (int8, e4m3) or NULL
- *   out_kind KV_I8, KV_E4M3 (per-row scale), KV_E5M2 (unscaled)
+ *   cache   [slots, heads, dim] codes ([slots, heads, dim / 2] bytes for KV_I4); scales
+ *           [slots, heads] float32 (int8, e4m3, int4) or NULL
+ *   out_kind KV_I8, KV_E4M3, KV_I4 (per-row scale), KV_E5M2 (unscaled)
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,8 +47,11 @@ static inline uint8_t to_fp8(float f, int mant_bits, int bias) {
     return sign | (uint8_t)((exp << mant_bits) | mant);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512_STORE 1
 
 static inline __m512 widen16(const void *x, int kind, int64_t i) {
@@ -107,9 +111,51 @@ static inline void store_row16(const void *x, int src_kind, int64_t src, uint8_t
 #define HAVE_AVX512_STORE 0
 #endif
 
+/* One row as 4-bit codes (KV_I4): scale = amax / 8, code = clamp(floor(x / scale) + 8, 0, 15),
+ * two codes a byte, value 2j low.  quant.py's torch expression, operation for operation. */
+static inline void store_row_i4(const void *x, int src_kind, int64_t src, uint8_t *dst,
+                                float *scale_out, int dim) {
+    float amax = 0.0f;
+    int d = 0;
+#if defined(__AVX2__)
+    if (src_kind == KV_F32) {
+        __m256 m = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (; d + 8 <= dim; d += 8)
+            m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps((const float *)x + src + d), abs_mask));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    }
+#endif
+    for (; d < dim; d++) {
+        float a = fabsf(widen(x, src_kind, src + d));
+        amax = a > amax ? a : amax;
+    }
+    float scale = amax / 8.0f;
+    if (scale < 1e-12f) scale = 1e-12f;
+    *scale_out = scale;
+    for (d = 0; d + 1 < dim; d += 2) {
+        float lo = floorf(widen(x, src_kind, src + d) / scale) + 8.0f;
+        float hi = floorf(widen(x, src_kind, src + d + 1) / scale) + 8.0f;
+        lo = lo < 0.0f ? 0.0f : lo > 15.0f ? 15.0f : lo;
+        hi = hi < 0.0f ? 0.0f : hi > 15.0f ? 15.0f : hi;
+        dst[d / 2] = (uint8_t)((int)lo | ((int)hi << 4));
+    }
+}
+
 int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *cache,
                       float *scales, const int64_t *slots, int num_tokens, int heads, int dim,
                       int out_kind, int num_threads) {
+    if (out_kind == KV_I4) {
+        #pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int t = 0; t < num_tokens; t++)
+            for (int h = 0; h < heads; h++)
+                store_row_i4(x, src_kind, (int64_t)t * token_stride + (int64_t)h * dim,
+                             (uint8_t *)cache + (slots[t] * heads + h) * (int64_t)(dim / 2),
+                             &scales[slots[t] * heads + h], dim);
+        return 0;
+    }
     const float limit = out_kind == KV_I8 ? 127.0f : out_kind == KV_E4M3 ? 448.0f : 57344.0f;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int t = 0; t < num_tokens; t++) {

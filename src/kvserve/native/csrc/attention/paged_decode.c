@@ -73,8 +73,10 @@ typedef struct {
     int64_t row_bytes;
 } new_rows;
 
-static int element_bytes(int kind) {
-    return kind == KV_F32 ? 4 : (kind == KV_BF16 || kind == KV_F16) ? 2 : 1;
+/* Bytes of one head's row of dim values in the storage of `kind`. */
+static int64_t head_row_bytes(int kind, int dim) {
+    if (kind == KV_I4) return dim / 2;
+    return (int64_t)dim * (kind == KV_F32 ? 4 : (kind == KV_BF16 || kind == KV_F16) ? 2 : 1);
 }
 
 static inline float bf16_to_float(uint16_t h) {
@@ -184,7 +186,7 @@ int paged_decode_attention(const paged_decode_args *args) {
     const float *prior_out = args->prior_out, *prior_lse = args->prior_lse;
     const new_rows rows = {new_key, new_value, new_key_stride_bytes, new_value_stride_bytes,
                            new_slots,
-                           (int64_t)num_kv_heads * dim * element_bytes(kind)};
+                           (int64_t)num_kv_heads * head_row_bytes(kind, dim)};
     const int num_heads = num_kv_heads * group;
     const int64_t row_floats = (int64_t)num_heads * dim;
     /* general path: 2 * heads + group * block_size + 2 * block_size * dim; fast path:
@@ -264,7 +266,7 @@ int paged_decode_attention(const paged_decode_args *args) {
             } else
 #endif
                 attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind,
-                                element_bytes(kind), table, seq_len, skip, num_kv_heads, group,
+                                head_row_bytes(kind, dim), table, seq_len, skip, num_kv_heads, group,
                                 dim, block_size, sm_scale, work, seq_lse);
             if (prior_out)
                 merge_prior(o, prior_out + head0, prior_lse + (int64_t)seq * num_heads, own_lse,
