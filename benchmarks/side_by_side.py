@@ -29,7 +29,14 @@ workloads, same client (`kvserve bench serve`), plus the hardware bound, in one 
 
 Workloads (docs/benchmarks.md): W1 = N x 256 in / 128 out all at once; W3 = 64 x (1,024
 shared + 32) in / 32 out; W2 = W1's shape (other prompts, so that no server finds them in its
-prefix cache) at a Poisson rate.
+prefix cache) at a Poisson rate (after W1, whose rate it takes); W4 = 8 x 7,936 in / 128 out
+all at once (long context: the KV cache decides the step time) and W4D its decode-heavy
+variant, 8 x 7,936 in / 512 out.  --workloads picks them, in its order; --skip-bound leaves
+out step 1 (what the long-context workloads do not need):
+
+    .venv/bin/python benchmarks/side_by_side.py --skip-bound --skip-profile \
+        --workloads w4,w4d --kvserve-args "--kv-cache-dtype int4 --max-model-len 8192 \
+        --kv-cache-memory 1GiB" --other-name vllm-cpu-fp8 --other-cmd "..."
 """
 
 from __future__ import annotations
@@ -110,6 +117,22 @@ def w3(args: argparse.Namespace) -> DatasetConfig:
                          output_len=32, seed=args.seed)  # fmt: skip
 
 
+def w4(args: argparse.Namespace) -> DatasetConfig:
+    """Long context: 8 prompts of 7,936 tokens, 128 out each, all at once."""
+    return DatasetConfig(num_prompts=8, random_input_len=7936, random_output_len=128,
+                         seed=args.seed + 4)  # fmt: skip
+
+
+def w4d(args: argparse.Namespace) -> DatasetConfig:
+    """W4's prompts with 512 tokens out each: the decode steps over 8 x 8K of K/V dominate."""
+    return DatasetConfig(num_prompts=8, random_input_len=7936, random_output_len=512,
+                         seed=args.seed + 4)  # fmt: skip
+
+
+# Run all at once, in --workloads order (W2 apart: it needs a request rate).
+WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w4d": w4d}
+
+
 def sampling(args: argparse.Namespace) -> dict[str, float | None]:
     """The requests' sampling fields, as BenchConfig takes them (None: the server's default):
     greedy unless --temperature says otherwise."""
@@ -136,12 +159,15 @@ def run_bench(server: Server, name: str, dataset: DatasetConfig, tokenizer: Any,
 
 def serve_and_bench(server: Server, args: argparse.Namespace, tokenizer: Any,
                     w2_rate: float | None) -> dict[str, dict]:  # fmt: skip
-    """W1 and W3 (and W2 when its rate is known) against one server."""
+    """The --workloads in order (W2 last, when its rate is known) against one server."""
     results = {}
     with server:
-        results["W1"] = run_bench(server, "W1", w1(args), tokenizer, sampled=sampling(args))
-        if "w3" in args.workloads:
-            results["W3"] = run_bench(server, "W3", w3(args), tokenizer, sampled=sampling(args))
+        for name in args.workloads.split(","):
+            if name in WORKLOADS:
+                dataset = WORKLOADS[name](args)
+                results[name.upper()] = run_bench(
+                    server, name.upper(), dataset, tokenizer, sampled=sampling(args)
+                )
         if w2_rate is not None:
             results["W2"] = run_bench(server, "W2", w2(args), tokenizer, w2_rate, sampling(args))
     return results
@@ -214,6 +240,8 @@ def main() -> int:
     parser.add_argument("--workloads", default="w1,w3,w2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--skip-bound", action="store_true",
+                        help="Leave out the bound (and the profile).")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1,
                         help="Compare the servers this many times, alternating which goes "
                              "first (the machine's speed drifts during a run), and report "
@@ -225,10 +253,11 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    print("# bound (linear layers alone at W1's shapes)", flush=True)
-    report["bound"] = measure_bound(args)
-    print(json.dumps(report["bound"]), flush=True)
-    if not args.skip_profile:
+    if not args.skip_bound:
+        print("# bound (linear layers alone at W1's shapes)", flush=True)
+        report["bound"] = measure_bound(args)
+        print(json.dumps(report["bound"]), flush=True)
+    if not (args.skip_profile or args.skip_bound):
         print("# offline kvserve: W1 and the profile breakdown", flush=True)
         report["offline"] = profile_offline(args)
         print(json.dumps(report["offline"], indent=1), flush=True)
@@ -243,7 +272,7 @@ def main() -> int:
         print(f"# round {index + 1}: {args.other_name if other_first else 'kvserve'} first",
               flush=True)  # fmt: skip
         results = one_round(args, tokenizer, other_first, rate)
-        if results["other"] and rate is None:
+        if results["other"].get("W1") and rate is None:
             rate = 0.7 * results["other"]["W1"]["request_throughput"]
             if "w2" in args.workloads:  # the other server ran before its W2 rate was known
                 results["other"]["W2"] = other_w2(args, tokenizer, rate)
@@ -263,7 +292,7 @@ def one_round(args: argparse.Namespace, tokenizer: Any, other_first: bool,
     for role in ("other", "kvserve") if other_first else ("kvserve", "other"):
         if role == "other" and args.other_cmd:
             results["other"] = serve_and_bench(other_server(args), args, tokenizer, w2_rate)
-            if w2_rate is None and "w2" in args.workloads:
+            if w2_rate is None and "w2" in args.workloads and "W1" in results["other"]:
                 w2_rate = 0.7 * results["other"]["W1"]["request_throughput"]
         elif role == "kvserve":
             port = free_port()
@@ -308,6 +337,21 @@ def kv_read_floor(report: dict[str, Any]) -> float:
 
 
 def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
+    lines = bound_summary(report) if "bound" in report else []
+    rounds = [r for r in report["rounds"] if r["other"]]
+    for index, results in enumerate(rounds):
+        lines += ["", f"round {index + 1}:", *ratios(results["kvserve"], results["other"],
+                                                      args.other_name)]  # fmt: skip
+    if len(rounds) > 1:
+        lines += ["", f"geometric mean of the {len(rounds)} rounds' ratios:",
+                  *mean_ratios(rounds, args.other_name)]  # fmt: skip
+    text = "\n".join(lines)
+    print("\n" + text, flush=True)
+    (args.out / "summary.md").write_text(text + "\n")
+
+
+def bound_summary(report: dict[str, Any]) -> list[str]:
+    """W1's bound, its K/V floor, and the offline and served W1 as multiples of them."""
     bound, lines = bound_lines(report)
     floor = kv_read_floor(report)
     lowest = (bound + floor) / bound
@@ -320,6 +364,8 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
         lines.append("profile breakdown (share of the offline profile's wall time):")
         for name, share in report["offline"]["breakdown"].items():
             lines.append(f"  {name:24s} {100 * share:5.1f}%")
+    if "W1" not in report["kvserve"]:
+        return lines
     served = report["kvserve"]["W1"]["duration"]
     lines.append(f"served kvserve W1: {served:.1f} s = {served / bound:.2f}x the bound")
     if "offline" in report:
@@ -327,16 +373,7 @@ def summarize(report: dict[str, Any], args: argparse.Namespace) -> None:
         lines.append(
             f"  HTTP, tokenizer threads and streaming (served - offline): {100 * http:.1f}%"
         )
-    rounds = [r for r in report["rounds"] if r["other"]]
-    for index, results in enumerate(rounds):
-        lines += ["", f"round {index + 1}:", *ratios(results["kvserve"], results["other"],
-                                                      args.other_name)]  # fmt: skip
-    if len(rounds) > 1:
-        lines += ["", f"geometric mean of the {len(rounds)} rounds' ratios:",
-                  *mean_ratios(rounds, args.other_name)]  # fmt: skip
-    text = "\n".join(lines)
-    print("\n" + text, flush=True)
-    (args.out / "summary.md").write_text(text + "\n")
+    return lines
 
 
 if __name__ == "__main__":

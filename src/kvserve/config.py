@@ -17,7 +17,8 @@ from typing import Any
 from kvserve.errors import ParameterError, UserInputError
 
 GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the planner
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+# "bfloat16" as vLLM takes it: a 16-bit cache under a float32 model (CPUs without bf16 math).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -125,8 +126,8 @@ class CacheConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_help(
-            "KV cache storage dtype: auto (the model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8, "
-            "int4 (4-bit codes of rotated rows, one scale per token and head).",
+            "KV cache storage dtype: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), "
+            "fp8_e5m2, int8, int4 (4-bit codes of rotated rows, one scale per token and head).",
             choices=KV_CACHE_DTYPES,
         ),
     )

@@ -123,24 +123,33 @@ def fresh(checkpoint: Checkpoint) -> Checkpoint:
     return Checkpoint(checkpoint.config, dict(checkpoint.weights), checkpoint.path, checkpoint.name)
 
 
-def test_int8_engine_block_count_and_tokens_equal_the_harness(checkpoint, model, text_ids):
-    """One real engine start with --kv-cache-dtype int8 --kv-cache-memory 96MiB: 514 blocks
-    (float32 KV gives 136 at the same memory, tests/model/test_engine.py), and its greedy
-    tokens equal the evaluation harness's on an int8 cache (same prompts, same batch): the
-    engine stores int8 values and scales and attention reads them back the same way."""
+@pytest.mark.parametrize(
+    ("kv_dtype", "head_bytes", "num_blocks", "storage"),
+    [("int8", 64 + 4, 514, torch.int8), ("int4", 32 + 4, 970, torch.uint8)],
+)
+def test_quantized_engine_block_count_and_tokens_equal_the_harness(
+    checkpoint, model, text_ids, kv_dtype, head_bytes, num_blocks, storage
+):
+    """One real engine start with --kv-cache-dtype int8 (or int4) --kv-cache-memory 96MiB:
+    514 blocks (970 for int4, 3.56x float32's 136 at the same memory,
+    tests/model/test_engine.py), and its greedy tokens equal the evaluation harness's on a
+    cache of that dtype (same prompts, same batch): the engine stores codes and scales (int4:
+    of rotated rows) and attention reads them back the same way."""
     config = EngineConfig(
         load=LoadConfig(dtype="float32"),
-        cache=CacheConfig(kv_cache_dtype="int8", kv_cache_memory=96 * 2**20),
+        cache=CacheConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=96 * 2**20),
         scheduler=SchedulerConfig(max_model_len=512),
     )
     engine = LLMEngine(config, fresh(checkpoint))
     sizing = engine.sizing
-    assert sizing.spec.bytes_per_token == 2 * 30 * 3 * (64 + 4) == 12_240
-    assert sizing.num_blocks == 96 * 2**20 // (16 * 12_240) == 514
-    assert kv_cache_bytes(engine.executor.kv_caches) == 514 * 16 * 12_240
-    assert "514 blocks x 16 tokens = 8,224 tokens" in sizing.summary()
-    assert "12,240 bytes/token, int8" in sizing.summary()
-    assert engine.executor.kv_caches[0].key.dtype == torch.int8
+    per_token = 2 * 30 * 3 * head_bytes
+    assert sizing.spec.bytes_per_token == per_token
+    assert sizing.num_blocks == 96 * 2**20 // (16 * per_token) == num_blocks
+    assert kv_cache_bytes(engine.executor.kv_caches) == num_blocks * 16 * per_token
+    assert f"{num_blocks} blocks x 16 tokens = {num_blocks * 16:,} tokens" in sizing.summary()
+    assert f"{per_token:,} bytes/token, {kv_dtype}" in sizing.summary()
+    assert engine.executor.kv_caches[0].key.dtype == storage
+    assert engine.executor.kv_caches[0].rotated == (kv_dtype == "int4")
     prompts = [text_ids[100:140], text_ids[5000:5040]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -149,7 +158,7 @@ def test_int8_engine_block_count_and_tokens_equal_the_harness(checkpoint, model,
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     got = [outputs[str(i)].outputs[0].token_ids for i in range(2)]
-    cache = allocate_cache(model.config, "int8", torch.float32, 16, 2 * 3, CPU)
+    cache = allocate_cache(model.config, kv_dtype, torch.float32, 16, 2 * 3, CPU)
     assert got == greedy_generate(model, cache, prompts, 8, chunk_size=40, device=CPU)
 
 
@@ -164,12 +173,15 @@ def tiny_dir(tiny_model_dir):
     return str(tiny_model_dir("llama3")[0])
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_pressure_chunked_prefill_and_prefix_sharing_with_an_8_bit_cache(tiny_dir, kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "head_bytes"), [("int8", 16 + 4), ("fp8", 16 + 4),
+                                                     ("int4", 8 + 4)])  # fmt: skip
+def test_pressure_chunked_prefill_and_prefix_sharing_with_a_quantized_cache(
+    tiny_dir, kv_dtype, head_bytes
+):
     """8 prompts of 42 tokens (32 shared) + 8 output tokens need 2 + 8 x 2 blocks; the cache
     has 10, the step budget is 32 tokens.  All finish, prefixes hit, preemption happens,
     invariants hold after every step and every block is free at the end."""
-    bytes_per_block = 16 * 2 * 2 * 2 * (16 + 4)  # tiny: 2 layers, 2 KV heads, head_dim 16
+    bytes_per_block = 16 * 2 * 2 * 2 * head_bytes  # tiny: 2 layers, 2 KV heads, head_dim 16
     llm = LLM(
         tiny_dir, kv_cache_dtype=kv_dtype, kv_cache_memory=10 * bytes_per_block,
         block_size=16, max_model_len=64, max_num_batched_tokens=32, enable_prefix_caching=True,
@@ -262,5 +274,6 @@ def test_eval_kv_command_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert rows[0]["num_predicted"] == 2 * 63
     assert rows[2]["perplexity"] == rows[0]["perplexity"] and rows[2]["agreement"] == 1.0
     assert abs(rows[1]["relative_perplexity"]) < 0.01
-    assert main(argv[:4] + ["--kv-cache-dtypes", "int4"]) == 2  # named in the error
-    assert "--kv-cache-dtypes unknown KV dtype 'int4'" in capsys.readouterr().err
+    assert rows[0]["mean_kl"] == rows[2]["mean_kl"] == 0.0 < rows[1]["mean_kl"]
+    assert main(argv[:4] + ["--kv-cache-dtypes", "int3"]) == 2  # named in the error
+    assert "--kv-cache-dtypes unknown KV dtype 'int3'" in capsys.readouterr().err

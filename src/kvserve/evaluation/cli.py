@@ -20,7 +20,7 @@ from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, 
 if TYPE_CHECKING:
     from kvserve.evaluation.kv_eval import KVDtypeResult
 
-DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8"
+DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8,int4,int4_unrotated"
 
 DESCRIPTION = """\
 Perplexity and greedy agreement of each KV cache dtype on one model and one text.
@@ -28,7 +28,9 @@ Perplexity and greedy agreement of each KV cache dtype on one model and one text
 Perplexity: the text's first --max-eval-tokens tokens are cut into windows of --context-len
 tokens; each window is prefilled in chunks of --chunk-size tokens through a paged KV cache
 of the dtype, so later chunks attend over K/V read back from that cache; perplexity is
-exp(mean NLL) over every predicted token.
+exp(mean NLL) over every predicted token.  KL: the mean, over the same positions, of the
+KL divergence of each dtype's next-token distribution from the reference's (in nats; the
+dtypes run in lockstep, chunk by chunk).
 
 Greedy agreement: --num-prompts prompts of --prompt-len tokens are taken at evenly spaced
 places in the text; each dtype generates --max-tokens greedy tokens (EOS ignored) on its
@@ -38,7 +40,8 @@ as whatever they are; "prefix" is the mean number of tokens before the first div
 
 The first dtype of --kv-cache-dtypes is the reference (default: auto, the model's dtype).
 Besides the serving dtypes, float32/bfloat16/float16 name an unquantized cache of that dtype
-(e.g. a 16-bit cache under a float32 model).  Without --kv-cache-dtypes, a --kv-cache-dtype
+(e.g. a 16-bit cache under a float32 model), and int4_unrotated is int4 without its rotation
+(what the rotation buys).  Without --kv-cache-dtypes, a --kv-cache-dtype
 other than auto compares auto with that one dtype.
 
 A text to try, available offline: python -m kvserve.evaluation.sample_text ref.txt"""
@@ -127,14 +130,14 @@ def format_report(header: dict, results: list[KVDtypeResult]) -> str:
         f"predicted tokens, windows of {s['context_len']} in chunks of {s['chunk_size']}; "
         f"greedy: {s['num_prompts']} prompts x {s['max_tokens']} tokens)",
         "",
-        "| KV dtype | stored as | bytes/token | perplexity | vs reference | greedy agreement "
-        "| identical prefix (mean) | prompts identical |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| KV dtype | stored as | bytes/token | perplexity | vs reference | KL (nats) "
+        "| greedy agreement | identical prefix (mean) | prompts identical |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.kv_dtype} | {r.storage_dtype} | {r.bytes_per_token:,} | {r.perplexity:.4f} "
-            f"| {100 * r.relative_perplexity:+.3f}% | {100 * r.agreement:.1f}% "
+            f"| {100 * r.relative_perplexity:+.3f}% | {r.mean_kl:.5f} | {100 * r.agreement:.1f}% "
             f"| {r.mean_identical_prefix:.1f} | {r.num_prompts_identical}/{s['num_prompts']} |"
         )
     return "\n".join(lines)

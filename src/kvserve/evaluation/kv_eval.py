@@ -44,6 +44,7 @@ class KVDtypeResult:
     perplexity: float
     num_predicted: int
     relative_perplexity: float  # perplexity / reference perplexity - 1
+    mean_kl: float  # mean KL(reference || this) of the next-token distributions, nats
     agreement: float  # share of identical greedy tokens, position by position
     mean_identical_prefix: float
     num_prompts_identical: int
@@ -79,23 +80,26 @@ def sample_prompts(token_ids: list[int], num_prompts: int, prompt_len: int) -> l
 def evaluate_kv_dtypes(
     loaded: LoadedModel, token_ids: list[int], kv_dtypes: list[str], settings: EvalSettings
 ) -> list[KVDtypeResult]:
-    """Perplexity and greedy agreement for each dtype; the first one is the reference."""
+    """Perplexity, KL divergence and greedy agreement for each dtype; the first one is the
+    reference.  The perplexity runs every dtype's cache in lockstep (the KL divergence needs
+    the reference's distributions position by position); `seconds` is a dtype's greedy run
+    plus its share of that."""
     check_kv_dtypes(kv_dtypes)
     _check_lengths(loaded.config, settings)
     limit = settings.max_eval_tokens or len(token_ids)
-    ppl_tokens = token_ids[:limit]
+    started = time.monotonic()
+    ppls = _perplexities(loaded, kv_dtypes, token_ids[:limit], settings)
+    ppl_share = (time.monotonic() - started) / len(kv_dtypes)
     prompts = sample_prompts(token_ids, settings.num_prompts, settings.prompt_len)
     results: list[KVDtypeResult] = []
     reference_tokens: list[list[int]] = []
-    for kv_dtype in kv_dtypes:
+    for kv_dtype, ppl in zip(kv_dtypes, ppls, strict=True):
         started = time.monotonic()
-        ppl = _perplexity(loaded, kv_dtype, ppl_tokens, settings)
         generated = _generate(loaded, kv_dtype, prompts, settings)
         if not results:
             reference_tokens = generated
         agreement = greedy.greedy_agreement(reference_tokens, generated)
         spec = make_spec(loaded.config, kv_dtype, loaded.dtype, settings.block_size)
-        reference_ppl = results[0].perplexity if results else ppl.perplexity
         results.append(
             KVDtypeResult(
                 kv_dtype=kv_dtype,
@@ -103,15 +107,16 @@ def evaluate_kv_dtypes(
                 bytes_per_token=spec.bytes_per_token,
                 perplexity=ppl.perplexity,
                 num_predicted=ppl.num_predicted,
-                relative_perplexity=ppl.perplexity / reference_ppl - 1.0,
+                relative_perplexity=ppl.perplexity / ppls[0].perplexity - 1.0,
+                mean_kl=ppl.mean_kl,
                 agreement=agreement.share,
                 mean_identical_prefix=agreement.mean_identical_prefix,
                 num_prompts_identical=agreement.num_prompts_identical,
-                seconds=time.monotonic() - started,
+                seconds=time.monotonic() - started + ppl_share,
             )
         )
-        logger.info("eval-kv %s: perplexity %.4f, agreement %.3f (%.0fs)", kv_dtype,
-                    ppl.perplexity, agreement.share, results[-1].seconds)  # fmt: skip
+        logger.info("eval-kv %s: perplexity %.4f, KL %.5f, agreement %.3f", kv_dtype,
+                    ppl.perplexity, ppl.mean_kl, agreement.share)  # fmt: skip
     return results
 
 
@@ -128,16 +133,19 @@ def _check_lengths(config: ModelConfig, settings: EvalSettings) -> None:
         )
 
 
-def _perplexity(
-    loaded: LoadedModel, kv_dtype: str, token_ids: list[int], settings: EvalSettings
-) -> perplexity.PerplexityResult:
+def _perplexities(
+    loaded: LoadedModel, kv_dtypes: list[str], token_ids: list[int], settings: EvalSettings
+) -> list[perplexity.PerplexityResult]:
     context_len, chunk_size = settings.context_len, settings.chunk_size
     num_blocks = perplexity.cache_blocks_needed(context_len, chunk_size, settings.block_size)
-    cache = allocate_cache(
-        loaded.config, kv_dtype, loaded.dtype, settings.block_size, num_blocks, loaded.device
-    )
-    return perplexity.perplexity(
-        loaded.model, cache, token_ids, context_len, chunk_size, loaded.device
+    caches = [
+        allocate_cache(
+            loaded.config, kv_dtype, loaded.dtype, settings.block_size, num_blocks, loaded.device
+        )
+        for kv_dtype in kv_dtypes
+    ]
+    return perplexity.compare(
+        loaded.model, caches, token_ids, context_len, chunk_size, loaded.device
     )
 
 

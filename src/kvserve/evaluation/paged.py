@@ -26,9 +26,11 @@ __all__ = [
     "contiguous_tables", "forward_hidden", "make_spec",
 ]  # fmt: skip
 
-# Unquantized storage dtypes accepted by the evaluation only: a 16-bit cache under a float32
-# model is the "16-bit baseline" on CPUs where the model itself runs in float32.
-EVAL_ONLY_KV_DTYPES = ("float32", "bfloat16", "float16")
+# Storage dtypes accepted by the evaluation only: a 16-bit cache under a float32 model is the
+# "16-bit baseline" on CPUs where the model itself runs in float32; int4_unrotated is int4
+# without its rotation (attention/rotation.py), to measure what the rotation buys.
+UNROTATED = {"int4_unrotated": "int4"}
+EVAL_ONLY_KV_DTYPES = ("float32", "float16", *UNROTATED)
 EVAL_KV_DTYPES = KV_CACHE_DTYPES + EVAL_ONLY_KV_DTYPES
 
 
@@ -51,8 +53,8 @@ def make_spec(
     check_kv_dtypes([kv_dtype])
     model_dtype_name = platform.dtype_name(model_dtype)
     return kv_cache_spec(
-        config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype, model_dtype_name,
-        block_size,
+        config.num_layers, config.num_kv_heads, config.head_dim,
+        UNROTATED.get(kv_dtype, kv_dtype), model_dtype_name, block_size,
     )  # fmt: skip
 
 
@@ -65,4 +67,4 @@ def allocate_cache(
     device: torch.device,
 ) -> PagedCache:
     spec = make_spec(config, kv_dtype, model_dtype, block_size)
-    return allocate_paged_cache(spec, num_blocks, device)
+    return allocate_paged_cache(spec, num_blocks, device, rotate=kv_dtype not in UNROTATED)

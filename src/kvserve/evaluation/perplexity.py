@@ -12,6 +12,10 @@ first-chunk path), which is why small chunks measure the cache best.  Every toke
 but the last is scored on predicting the next one; perplexity = exp(total NLL / count).
 Several windows share each step (as separate sequences) so the weights are read once per
 ~256 tokens rather than once per chunk.
+
+`compare` runs several caches (one per KV dtype) in lockstep, chunk by chunk, so that each
+position's next-token distribution under every dtype can be compared with the first one's
+(the KL divergence) without keeping the reference's distributions for the whole text.
 """
 
 from __future__ import annotations
@@ -33,10 +37,16 @@ TOKENS_PER_STEP = 256
 class PerplexityResult:
     nll_sum: float  # natural-log negative log-likelihood over all predicted tokens
     num_predicted: int
+    kl_sum: float = 0.0  # sum over positions of KL(reference || this), nats (`compare`)
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll_sum / self.num_predicted)
+
+    @property
+    def mean_kl(self) -> float:
+        """Mean KL divergence of the next-token distributions from the reference's."""
+        return self.kl_sum / self.num_predicted
 
 
 def split_windows(token_ids: list[int], context_len: int) -> list[list[int]]:
@@ -63,57 +73,70 @@ def perplexity(
     device: torch.device,
 ) -> PerplexityResult:
     """NLL of `token_ids` through `cache` (overwritten; needs cache_blocks_needed blocks)."""
+    [result] = compare(model, [cache], token_ids, context_len, chunk_size, device)
+    return result
+
+
+def compare(
+    model: torch.nn.Module,
+    caches: list[PagedCache],
+    token_ids: list[int],
+    context_len: int,
+    chunk_size: int,
+    device: torch.device,
+) -> list[PerplexityResult]:
+    """NLL of `token_ids` through each cache, and each one's KL divergence from the first
+    one's next-token distributions, position by position (the caches are overwritten; each
+    needs cache_blocks_needed blocks)."""
     windows = split_windows(token_ids, context_len)
     if not windows:
         raise UserInputError("the text has fewer than 2 tokens to evaluate")
     group_size = windows_per_step(context_len, chunk_size)
-    block_size = cache.spec.block_size
-    tables = contiguous_tables(group_size, context_len, block_size)
-    if len(tables) * len(tables[0]) > cache.num_blocks:
-        raise ValueError(f"the cache holds {cache.num_blocks} blocks; perplexity needs more")
-    nll_sum, count = 0.0, 0
-    run = _PagedRun(model, cache, chunk_size, device)
+    tables = contiguous_tables(group_size, context_len, caches[0].spec.block_size)
+    if any(len(tables) * len(tables[0]) > cache.num_blocks for cache in caches):
+        raise ValueError("a cache holds too few blocks for this perplexity run")
+    totals = [[0.0, 0.0] for _ in caches]  # NLL, KL
+    count = 0
     for first in range(0, len(windows), group_size):
-        group_nll, group_count = _group_nll(run, windows[first : first + group_size], tables)
-        nll_sum += group_nll
-        count += group_count
-    return PerplexityResult(nll_sum, count)
+        group = windows[first : first + group_size]
+        for start in range(0, max(len(w) for w in group), chunk_size):
+            sums, predicted = _chunk_sums(model, caches, group, tables, start, chunk_size, device)
+            for total, (nll, kl) in zip(totals, sums, strict=True):
+                total[0] += nll
+                total[1] += kl
+            count += predicted
+    return [PerplexityResult(nll, count, kl) for nll, kl in totals]
 
 
-@dataclass(frozen=True)
-class _PagedRun:
-    """What every group of windows runs through."""
-
-    model: torch.nn.Module
-    cache: PagedCache
-    chunk_size: int
-    device: torch.device
-
-
-def _group_nll(
-    run: _PagedRun, windows: list[list[int]], tables: list[list[int]]
-) -> tuple[float, int]:
-    """Prefill windows side by side, chunk by chunk; sum the NLL of each next token."""
-    model, cache, chunk_size, device = run.model, run.cache, run.chunk_size, run.device
-    nll_sum, count = 0.0, 0
-    for start in range(0, max(len(w) for w in windows), chunk_size):
-        live = [i for i, w in enumerate(windows) if start < len(w)]
-        pieces = [
-            Piece(str(i), windows[i][start : start + chunk_size], start, tables[i]) for i in live
-        ]
+def _chunk_sums(
+    model: torch.nn.Module,
+    caches: list[PagedCache],
+    windows: list[list[int]],
+    tables: list[list[int]],
+    start: int,
+    chunk_size: int,
+    device: torch.device,
+) -> tuple[list[tuple[float, float]], int]:
+    """One chunk of windows side by side through each cache: per cache (NLL sum, KL sum from
+    the first cache), and the number of tokens predicted."""
+    live = [i for i, w in enumerate(windows) if start < len(w)]
+    pieces = [Piece(str(i), windows[i][start : start + chunk_size], start, tables[i]) for i in live]
+    # Position p predicts token p + 1; the window's last token predicts nothing.
+    targets = [windows[i][start + 1 : start + 1 + chunk_size] for i in live]
+    flat_targets = [t for target in targets for t in target]
+    sums, reference = [], None
+    for cache in caches:
         hidden = forward_hidden(model, cache, pieces, device)
-        rows, targets = [], []
-        for i, piece, h in zip(live, pieces, hidden, strict=True):
-            # Position p predicts token p + 1; the window's last token predicts nothing.
-            target = windows[i][start + 1 : start + 1 + len(piece.token_ids)]
-            rows.append(h[: len(target)])
-            targets.extend(target)
-        if not targets:
+        if not flat_targets:
+            sums.append((0.0, 0.0))
             continue
+        rows = [h[: len(target)] for h, target in zip(hidden, targets, strict=True)]
         with torch.inference_mode():
-            logits = model.compute_logits(torch.cat(rows))
-            target_ids = torch.tensor(targets, device=logits.device)
-            nll = F.cross_entropy(logits, target_ids, reduction="sum")
-        nll_sum += float(nll)
-        count += len(targets)
-    return nll_sum, count
+            logprobs = F.log_softmax(model.compute_logits(torch.cat(rows)), dim=-1)
+            target_ids = torch.tensor(flat_targets, device=logprobs.device)
+            nll = F.nll_loss(logprobs, target_ids, reduction="sum")
+            if reference is None:
+                reference = logprobs
+            kl = F.kl_div(logprobs, reference, log_target=True, reduction="sum")
+        sums.append((float(nll), float(kl)))
+    return sums, len(flat_targets)

@@ -105,7 +105,7 @@ def engine_kv_capacity(
 class DtypePlan:
     """Every KV number of the plan for one KV cache dtype (per GPU under TP)."""
 
-    kv_cache_dtype: str  # as on the command line: auto, fp8_e4m3, fp8_e5m2, int8
+    kv_cache_dtype: str  # as on the command line: auto, bfloat16, fp8_e4m3, ..., int4
     storage_dtype: str  # what is stored: float16, fp8_e4m3, ...
     bytes_per_token: int
     bytes_per_block: int
@@ -203,6 +203,7 @@ def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
     usable = math.floor(Fraction(str(inputs.gpu_memory_utilization)) * inputs.gpu_memory)
     budget = usable - per_gpu if inputs.kv_cache_memory is None else inputs.kv_cache_memory
     selected = "fp8_e4m3" if inputs.kv_cache_dtype == "fp8" else inputs.kv_cache_dtype
+    compared = KV_DTYPES_COMPARED + (() if selected in KV_DTYPES_COMPARED else (selected,))
     dtypes = tuple(
         _dtype_plan(
             kv_layout(shape, name, inputs.block_size, tp),
@@ -211,7 +212,7 @@ def make_plan(shape: ModelShape, inputs: PlanInputs) -> Plan:
             context_len,
             inputs.batch_size,
         )
-        for name in KV_DTYPES_COMPARED
+        for name in compared
     )
     return Plan(
         model_name=shape.name, source=shape.source, architecture=shape.architecture,

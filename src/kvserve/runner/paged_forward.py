@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.base import AttentionBackend
 from kvserve.attention.kv_cache import LayerKVCache, allocate_kv_caches
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv.spec import KVCacheSpec, cdiv
@@ -40,8 +41,11 @@ class PagedCache:
     num_blocks: int
 
 
-def allocate_paged_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> PagedCache:
-    return PagedCache(spec, allocate_kv_caches(spec, num_blocks, device), num_blocks)
+def allocate_paged_cache(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device, rotate: bool = True
+) -> PagedCache:
+    """`rotate`: as allocate_kv_caches (False: a 4-bit cache of unrotated rows)."""
+    return PagedCache(spec, allocate_kv_caches(spec, num_blocks, device, rotate=rotate), num_blocks)
 
 
 def _scheduled(piece: Piece) -> ScheduledRequest:
@@ -59,10 +63,15 @@ def _scheduled(piece: Piece) -> ScheduledRequest:
 
 @torch.inference_mode()
 def forward_hidden(
-    model: torch.nn.Module, cache: PagedCache, pieces: list[Piece], device: torch.device
+    model: torch.nn.Module,
+    cache: PagedCache,
+    pieces: list[Piece],
+    device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> list[torch.Tensor]:
     """One step over `pieces` (their K/V are written into `cache`); returns each piece's final
-    hidden states [num_tokens, hidden], in the order given.
+    hidden states [num_tokens, hidden], in the order given.  `backend`: the reference's
+    attention unless given (benchmarks/long_context_decode.py times the C kernels here).
 
     The runner's contract is decodes (1-token pieces) first, so pieces are sorted for the
     batch and mapped back afterwards."""
@@ -70,7 +79,8 @@ def forward_hidden(
     block_size = cache.spec.block_size
     batch = build_batch_input(requests, block_size, device)
     metadata = build_attention_metadata(batch, block_size)
-    hidden = model(batch.input_ids, batch.positions, cache.layers, metadata, TorchRefBackend())
+    backend = backend or TorchRefBackend()
+    hidden = model(batch.input_ids, batch.positions, cache.layers, metadata, backend)
     starts = batch.query_start_loc.tolist()
     by_id = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(requests)}
     return [by_id[p.seq_id] for p in pieces]
