@@ -34,14 +34,24 @@ def _hadamard(size: int) -> torch.Tensor:
     return h
 
 
+# A Hadamard block mixes the channels of its own block alone: below this many, a seeded random
+# orthogonal matrix mixes the whole head instead.
+MIN_HADAMARD_BLOCK = 16
+
+
 @functools.cache
 def rotation_matrix(head_dim: int) -> torch.Tensor:
     """R [head_dim, head_dim] float32 (CPU), orthogonal: diag(random signs) x a block-diagonal
     normalized Hadamard matrix.  Its blocks are the largest power of 2 that divides head_dim
-    (the whole head for 64, 128, 256; 32 for a head of 96)."""
-    block = head_dim & -head_dim
-    hadamard = torch.block_diag(*[_hadamard(block)] * (head_dim // block)) / math.sqrt(block)
+    (the whole head for 64, 128, 256; 32 for a head of 96); where that is below
+    MIN_HADAMARD_BLOCK (a head of 36: blocks of 4), the Q factor of a seeded Gaussian matrix."""
     generator = torch.Generator().manual_seed(ROTATION_SEED)
+    block = head_dim & -head_dim
+    if block < MIN_HADAMARD_BLOCK:
+        gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(gaussian)
+        return (q * r.diagonal().sign()).float()
+    hadamard = torch.block_diag(*[_hadamard(block)] * (head_dim // block)) / math.sqrt(block)
     signs = torch.randint(0, 2, (head_dim,), generator=generator).float() * 2 - 1
     return signs[:, None] * hadamard
 
@@ -69,10 +79,15 @@ def attend(
     kv_cache: LayerKVCache,
     metadata: AttentionMetadata,
     scale: float,
+    key_offset: torch.Tensor | None = None,  # [Hkv, D], rotated (runner/key_offsets.py)
 ) -> torch.Tensor:
     """backend.forward, with q, k, v rotated and the output rotated back where the cache keeps
-    rotated rows (kv_cache.rotated); the backend's own call elsewhere."""
+    rotated rows (kv_cache.rotated), the layer's key offset subtracted from its rotated keys
+    (no attention weight changes: runner/key_offsets.py); the backend's own call elsewhere."""
     if not kv_cache.rotated:
         return backend.forward(query, key, value, kv_cache, metadata, scale)
-    out = backend.forward(rotate(query), rotate(key), rotate(value), kv_cache, metadata, scale)
+    key = rotate(key)
+    if key_offset is not None:
+        key = key - key_offset
+    out = backend.forward(rotate(query), key, rotate(value), kv_cache, metadata, scale)
     return unrotate(out)

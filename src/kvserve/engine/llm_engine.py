@@ -103,6 +103,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
+        ex.calibrate_key_offsets(self.tokenizer)
         kv_dtype = ex.check_kv_cache_dtype(self.tokenizer)
         self.config = replace(config, cache=replace(config.cache, kv_cache_dtype=kv_dtype))
         sched = self.config.scheduler  # ValueError past the trained context, unless allowed

@@ -18,9 +18,11 @@ from kvserve.errors import ParameterError
 from kvserve.evaluation import greedy, perplexity
 from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
 from kvserve.evaluation.settings import EvalSettings
+from kvserve.executor.kv_dtype_check import canary_token_ids
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
+from kvserve.runner.key_offsets import calibrate_key_offsets
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
@@ -63,6 +65,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_cls = get_model_class(checkpoint.config.architecture)
     model = model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device)
     tokenizer = load_tokenizer(checkpoint.path)
+    # A 4-bit cache's key offsets, as the engine measures them (used by rotated caches only).
+    calibrate_key_offsets(model, canary_token_ids(tokenizer), device)
     return LoadedModel(model, checkpoint.config, tokenizer, dtype, device, checkpoint.name)
 
 

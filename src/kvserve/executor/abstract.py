@@ -5,7 +5,8 @@ and every step reaches each rank's Worker (executor/worker.py) through `collecti
 The engine's start-up, in this order (vLLM's EngineCore: executor, memory, caches, warm-up):
 
     make_executor(config)        every rank loads and builds its model
-    check_kv_cache_dtype         the 8-bit KV check, on every rank
+    calibrate_key_offsets        a 4-bit cache's key offsets, on every rank
+    check_kv_cache_dtype         the quantized KV check, on every rank
     determine_kv_budget_bytes    the graph plan and the profiles, on every rank; rank 0's bytes
     initialize_kv_caches         the same block count on every rank
     warm_up                      native layers or torch.compile, then CUDA graphs
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.attention.quant import ROTATED_DTYPES
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import (
@@ -93,6 +95,13 @@ class Executor(ABC):
         return self.driver_worker.kv_caches
 
     # ------------------------------------------------------------------ start-up
+    def calibrate_key_offsets(self, tokenizer: object) -> None:
+        """A rotated (4-bit) --kv-cache-dtype: each layer's key offset, on every rank, from
+        the canary text (runner/key_offsets.py); nothing for the other dtypes.  Before the
+        dtype check, whose canary runs with them."""
+        if self.config.cache.kv_cache_dtype in ROTATED_DTYPES:
+            self.collective_rpc("calibrate_key_offsets", canary_token_ids(tokenizer))
+
     def check_kv_cache_dtype(self, tokenizer: object) -> str:
         """The --kv-cache-dtype to use (executor/kv_dtype_check.py); ParameterError when an
         8-bit one fails and may not fall back."""

@@ -4,7 +4,8 @@ rank in the same order (any call may run collectives):
 
     Worker(spec, rank)       device and dtype, the checkpoint, this rank's model, the backend
     join(store)              N > 1 only: the process groups (executor/collective.py)
-    check_kv_cache_dtype     an 8-bit KV dtype against a canary (executor/kv_dtype_check.py)
+    calibrate_key_offsets    a 4-bit cache's key offsets, measured on the canary
+    check_kv_cache_dtype     a quantized KV dtype against a canary (executor/kv_dtype_check.py)
     plan_cuda_graphs         which decode graphs to capture (runner/cuda_graphs.py)
     profile_*                the activation peak and the graph pool, for the KV sizing (GPU)
     initialize_kv_caches     the device and host caches, and the runner over them
@@ -40,6 +41,7 @@ from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, sha
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
+from kvserve.runner.key_offsets import calibrate_key_offsets
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
@@ -115,6 +117,10 @@ class Worker:
                                      rank, size)  # fmt: skip
 
     # ------------------------------------------------------------------ before the sizing
+    def calibrate_key_offsets(self, canary_token_ids: list[int]) -> None:
+        """Each layer's key offset for a 4-bit cache (runner/key_offsets.py)."""
+        calibrate_key_offsets(self.model, canary_token_ids, self.device)
+
     def check_kv_cache_dtype(
         self, cache: CacheConfig, canary_token_ids: list[int]
     ) -> str | ParameterError:

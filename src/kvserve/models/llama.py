@@ -227,6 +227,9 @@ class DecoderLayer(nn.Module):
         self.scale = (config.head_dim if scalar is None else scalar) ** -0.5
         # The window this layer attends over (0: full attention); which RoPE table it takes.
         self.sliding_window = sliding_window
+        # [kv_heads, head_dim], rotated: subtracted from the keys a rotated (4-bit) cache
+        # stores (runner/key_offsets.py); None until calibrated
+        self.key_offset: torch.Tensor | None = None
         self.local_rope = bool(sliding_window) and config.rope_local_base_freq is not None
         norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
         self.gemma_norms = config.gemma_norms
@@ -347,6 +350,13 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_layers(self.layers)
         self.pads_rows = True
 
+    def set_key_offsets(self, offsets: Sequence[torch.Tensor]) -> None:
+        """Each layer's key offset (runner/key_offsets.py), in the activations' dtype."""
+        if len(offsets) != len(self.layers):
+            raise ValueError(f"{len(offsets)} key offsets for {len(self.layers)} layers")
+        for layer, offset in zip(self.layers, offsets, strict=True):
+            layer.key_offset = offset.to(self.dtype)
+
     @property
     def dtype(self) -> torch.dtype:
         """The weights' and activations' dtype."""
@@ -405,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
             with record_function("kvserve::attention"):
                 attn = rotation.attend(
                     backend, q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md,
-                    layer.scale,
+                    layer.scale, layer.key_offset,
                 )  # fmt: skip
             if index + 1 < len(layers):
                 hidden, q, k, v = kernels.between_attentions(
