@@ -1,8 +1,9 @@
 """One decode step of the embedded model at long context, for each KV cache dtype: 8
-sequences x 8,192 tokens of context by default (W4's shape), the whole model (weights,
-attention through the cpu-paged C kernel, logits), and the attention alone (30 layers of the
-decode kernel).  Beside each, the streaming-read floor of its K/V bytes: what reading every
-K and V byte of the step once costs at the machine's streaming rate (a torch sum over 1 GiB).
+sequences x 8,192 tokens of context by default (W5's shape, docs/benchmarks.md), the whole
+model (weights, attention through the cpu-paged C kernel, logits), and the attention alone (30
+layers of the decode kernel).  Beside each, the streaming-read floor of its K/V bytes: what
+reading every K and V byte of the step once costs at the machine's streaming rate (a torch sum
+over 1 GiB).
 
 The caches are filled with random rows through the real quantize-on-write path (what attention
 costs does not depend on the values), so no 65,536-token prefill is needed.  The dtypes are

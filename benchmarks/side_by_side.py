@@ -29,14 +29,14 @@ workloads, same client (`kvserve bench serve`), plus the hardware bound, in one 
 
 Workloads (docs/benchmarks.md): W1 = N x 256 in / 128 out all at once; W3 = 64 x (1,024
 shared + 32) in / 32 out; W2 = W1's shape (other prompts, so that no server finds them in its
-prefix cache) at a Poisson rate (after W1, whose rate it takes); W4 = 8 x 7,936 in / 128 out
-all at once (long context: the KV cache decides the step time) and W4D its decode-heavy
+prefix cache) at a Poisson rate (after W1, whose rate it takes); W5 = 8 x 7,936 in / 128 out
+all at once (long context: the KV cache decides the step time) and W5D its decode-heavy
 variant, 8 x 7,936 in / 512 out.  --workloads picks them, in its order; --skip-bound leaves
 out step 1 (what the long-context workloads do not need):
 
     .venv/bin/python benchmarks/side_by_side.py --skip-bound --skip-profile \
-        --workloads w4,w4d --kvserve-args "--kv-cache-dtype int4 --max-model-len 8192 \
-        --kv-cache-memory 1GiB" --other-name vllm-cpu-fp8 --other-cmd "..."
+        --workloads w5,w5d --kvserve-args "--kv-cache-dtype int4 --max-model-len 8192 \
+        --kv-cache-memory 1GiB" --other-name vllm-cpu --other-cmd "..."
 """
 
 from __future__ import annotations
@@ -117,20 +117,20 @@ def w3(args: argparse.Namespace) -> DatasetConfig:
                          output_len=32, seed=args.seed)  # fmt: skip
 
 
-def w4(args: argparse.Namespace) -> DatasetConfig:
+def w5(args: argparse.Namespace) -> DatasetConfig:
     """Long context: 8 prompts of 7,936 tokens, 128 out each, all at once."""
     return DatasetConfig(num_prompts=8, random_input_len=7936, random_output_len=128,
                          seed=args.seed + 4)  # fmt: skip
 
 
-def w4d(args: argparse.Namespace) -> DatasetConfig:
-    """W4's prompts with 512 tokens out each: the decode steps over 8 x 8K of K/V dominate."""
+def w5d(args: argparse.Namespace) -> DatasetConfig:
+    """W5's prompts with 512 tokens out each: the decode steps over 8 x 8K of K/V dominate."""
     return DatasetConfig(num_prompts=8, random_input_len=7936, random_output_len=512,
                          seed=args.seed + 4)  # fmt: skip
 
 
 # Run all at once, in --workloads order (W2 apart: it needs a request rate).
-WORKLOADS = {"w1": w1, "w3": w3, "w4": w4, "w4d": w4d}
+WORKLOADS = {"w1": w1, "w3": w3, "w5": w5, "w5d": w5d}
 
 
 def sampling(args: argparse.Namespace) -> dict[str, float | None]:
