@@ -13,24 +13,25 @@ import torch
 from kvserve.attention import quant
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.config import key_value_dtypes
 
-KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+KV_DTYPES = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "k8v4"]
 SHAPES = [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 72, 32), (6, 2, 36, 16)]  # H, Hkv, D, bs
 CPU = torch.device("cpu")
 
 
 def filled_cache(kv_dtype, num_blocks, block_size, heads, dim, gen, device=CPU) -> LayerKVCache:
     """Every slot written through LayerKVCache.write (random values drawn on the CPU)."""
-    shape = (num_blocks, block_size, heads, quant.stored_width(kv_dtype, dim))
-    scaled = kv_dtype in quant.SCALED_DTYPES
-    store = quant.storage_dtype(kv_dtype)
-    cache = LayerKVCache(
-        torch.zeros(shape, dtype=store, device=device),
-        torch.zeros(shape, dtype=store, device=device),
-        torch.ones(shape[:3], device=device) if scaled else None,
-        torch.ones(shape[:3], device=device) if scaled else None,
-        kv_dtype,
-    )
+    rows = (num_blocks, block_size, heads)
+
+    def tensors(row_format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shape = (*rows, quant.stored_width(row_format, dim))
+        data = torch.zeros(shape, dtype=quant.storage_dtype(row_format), device=device)
+        scaled = row_format in quant.SCALED_DTYPES
+        return data, torch.ones(rows, device=device) if scaled else None
+
+    (key, key_scale), (value, value_scale) = map(tensors, key_value_dtypes(kv_dtype))
+    cache = LayerKVCache(key, value, key_scale, value_scale, kv_dtype)
     slots = torch.arange(num_blocks * block_size, device=device)
     keys = torch.randn(len(slots), heads, dim, generator=gen).to(device)
     values = torch.randn(len(slots), heads, dim, generator=gen).to(device)

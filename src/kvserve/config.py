@@ -18,7 +18,17 @@ from kvserve.errors import ParameterError, UserInputError
 
 GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's; the engine's GPU sizing and the planner
 # "bfloat16" as vLLM takes it: a 16-bit cache under a float32 model (CPUs without bf16 math).
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "k8v4")
+# KV dtypes whose keys and values are stored in two formats: (keys', values').  k8v4: keys
+# carry almost all of int4's loss (docs/decisions/kv-int4-rotation.md), so they keep 8 bits.
+SPLIT_KV_DTYPES = {"k8v4": ("int8", "int4")}
+
+
+def key_value_dtypes(kv_dtype: str) -> tuple[str, str]:
+    """The storage dtype names of a cache's keys and of its values."""
+    return SPLIT_KV_DTYPES.get(kv_dtype, (kv_dtype, kv_dtype))
+
+
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -129,7 +139,8 @@ class CacheConfig:
         default="auto",
         metadata=_help(
             "KV cache storage dtype: auto (the model dtype), bfloat16, fp8 (= fp8_e4m3), "
-            "fp8_e5m2, int8, int4 (4-bit codes of rotated rows, one scale per token and head).",
+            "fp8_e5m2, int8, int4 (4-bit codes of rotated rows, one scale per token and head), "
+            "k8v4 (int8 keys, int4 values).",
             choices=KV_CACHE_DTYPES,
         ),
     )

@@ -113,7 +113,7 @@ def test_perplexity_of_quantized_caches_within_bounds_of_the_float32_cache(model
     int4 without the rotation (measured here: +4.3% against +21.5%; docs/benchmarks.md has the
     same on 20,480 tokens).  The caches run in lockstep (perplexity.compare)."""
     tokens = text_ids[:1024]
-    names = ("auto", "fp8_e4m3", "int8", "int4", "int4_unrotated")
+    names = ("auto", "fp8_e4m3", "int8", "int4", "int4_unrotated", "k8v4")
     caches = [
         allocate_cache(model.config, name, torch.float32, 16, cache_blocks_needed(256, 32, 16), CPU)
         for name in names
@@ -125,6 +125,7 @@ def test_perplexity_of_quantized_caches_within_bounds_of_the_float32_cache(model
     assert 5 < reference < 60  # English prose, a 135M model
     assert abs(ratio["fp8_e4m3"]) < 0.01 and abs(ratio["int8"]) < 0.005, ratio
     assert 0 < ratio["int4"] < 0.06 and ratio["int4_unrotated"] > 2 * ratio["int4"], ratio
+    assert abs(ratio["k8v4"]) < 0.01, ratio  # int8 keys: most of int4's loss is the keys
     kl = {name: r.mean_kl for name, r in results.items()}
     assert 0 < kl["int8"] < kl["int4"] < kl["int4_unrotated"] / 2, kl
 
@@ -136,7 +137,8 @@ def fresh(checkpoint: Checkpoint) -> Checkpoint:
 
 @pytest.mark.parametrize(
     ("kv_dtype", "head_bytes", "num_blocks", "storage"),
-    [("int8", 64 + 4, 514, torch.int8), ("int4", 32 + 4, 970, torch.uint8)],
+    [("int8", 64 + 4, 514, torch.int8), ("int4", 32 + 4, 970, torch.uint8),
+     ("k8v4", (64 + 4 + 32 + 4) // 2, 672, torch.int8)],  # fmt: skip
 )
 def test_quantized_engine_block_count_and_tokens_equal_the_harness(
     checkpoint, model, text_ids, kv_dtype, head_bytes, num_blocks, storage
@@ -160,7 +162,7 @@ def test_quantized_engine_block_count_and_tokens_equal_the_harness(
     assert f"{num_blocks} blocks x 16 tokens = {num_blocks * 16:,} tokens" in sizing.summary()
     assert f"{per_token:,} bytes/token, {kv_dtype}" in sizing.summary()
     assert engine.executor.kv_caches[0].key.dtype == storage
-    assert engine.executor.kv_caches[0].rotated == (kv_dtype == "int4")
+    assert engine.executor.kv_caches[0].rotated == (kv_dtype in ("int4", "k8v4"))
     prompts = [text_ids[100:140], text_ids[5000:5040]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -185,7 +187,7 @@ def tiny_dir(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("kv_dtype", "head_bytes"), [("int8", 16 + 4), ("fp8", 16 + 4),
-                                                     ("int4", 8 + 4)])  # fmt: skip
+                                                     ("int4", 8 + 4), ("k8v4", 16)])  # fmt: skip
 def test_pressure_chunked_prefill_and_prefix_sharing_with_a_quantized_cache(
     tiny_dir, kv_dtype, head_bytes
 ):
@@ -199,7 +201,7 @@ def test_pressure_chunked_prefill_and_prefix_sharing_with_a_quantized_cache(
         dtype="float32",
     )  # fmt: skip
     engine = llm.engine
-    assert engine.sizing.num_blocks == 10 and engine.sizing.spec.dtype in quant.SCALED_DTYPES
+    assert engine.sizing.num_blocks == 10 and engine.sizing.spec.dtype in quant.QUANTIZED_DTYPES
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, params)

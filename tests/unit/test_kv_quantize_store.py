@@ -40,7 +40,7 @@ def empty_cache(kv_dtype: str, num_slots: int, heads: int) -> LayerKVCache:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_dtype", quant.QUANTIZED_DTYPES)
+@pytest.mark.parametrize("kv_dtype", quant.ROW_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("strided", [False, True])
 def test_codes_and_scales_equal_the_torch_quantizer(kv_dtype, dtype, strided):

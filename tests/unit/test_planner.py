@@ -403,7 +403,7 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert code == 0 and data["selected"] == "fp8_e4m3"
     assert {d["kv_cache_dtype"] for d in data["dtypes"]} == {
-        "auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
+        "auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "k8v4",
     }  # fmt: skip
     assert data["dtypes"][0]["bytes_per_sequence"] == 70_272 * 4096
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention import quant
+from kvserve.config import key_value_dtypes
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.native import ops
 from kvserve.native.kinds import kind_of
@@ -35,7 +36,7 @@ def _store_quantized_in_c(
     flat: torch.Tensor,
     scales: torch.Tensor | None,
     slot_mapping: torch.Tensor,
-    layer: LayerKVCache,
+    row_format: str,
 ) -> bool:
     """Quantize and store `x` in one pass through the native library
     (native/csrc/attention/kv_quantize.c, the same codes as attention/quant.py bit for bit); False
@@ -45,7 +46,7 @@ def _store_quantized_in_c(
     if kernels is None:
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
-    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, layer.kv_dtype))
+    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, row_format))
     return True
 
 
@@ -75,18 +76,31 @@ class LayerKVCache:
     def quantized(self) -> bool:
         return self.kv_dtype in quant.QUANTIZED_DTYPES
 
+    @property
+    def key_dtype(self) -> str:
+        """The keys' storage dtype name (kv_dtype but for k8v4: int8)."""
+        return key_value_dtypes(self.kv_dtype)[0]
+
+    @property
+    def value_dtype(self) -> str:
+        """The values' storage dtype name (kv_dtype but for k8v4: int4)."""
+        return key_value_dtypes(self.kv_dtype)[1]
+
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's K/V: slot_mapping [T], k/v [T, kv_heads, head_dim]."""
-        heads, width = self.key.shape[2], self.key.shape[3]
-        for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
-            flat = cache.view(-1, heads, width)
+        tensors = (
+            (self.key, self.key_scale, k, self.key_dtype),
+            (self.value, self.value_scale, v, self.value_dtype),
+        )
+        for cache, scales, x, row_format in tensors:
+            flat = cache.view(-1, *cache.shape[2:])
             if self.quantized:
-                if _store_quantized_in_c(x, flat, scales, slot_mapping, self):
+                if _store_quantized_in_c(x, flat, scales, slot_mapping, row_format):
                     continue
-                data, scale = quant.quantize(x, self.kv_dtype)
+                data, scale = quant.quantize(x, row_format)
                 flat.index_copy_(0, slot_mapping, data)
                 if scales is not None:
-                    scales.view(-1, heads).index_copy_(0, slot_mapping, scale)
+                    scales.view(-1, cache.shape[2]).index_copy_(0, slot_mapping, scale)
             elif not _store_rows_in_c(x, flat, slot_mapping):
                 flat.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
@@ -114,11 +128,15 @@ class LayerKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks: block_ids [..., n] -> [..., n * block_size, kv_heads, head_dim]."""
         out = []
-        for cache, scales in ((self.key, self.key_scale), (self.value, self.value_scale)):
+        tensors = (
+            (self.key, self.key_scale, self.key_dtype),
+            (self.value, self.value_scale, self.value_dtype),
+        )
+        for cache, scales, row_format in tensors:
             data = _take_blocks(cache, block_ids)
             if self.quantized:
                 scale = None if scales is None else _take_blocks(scales, block_ids)
-                data = quant.dequantize(data, scale, self.kv_dtype, out_dtype)
+                data = quant.dequantize(data, scale, row_format, out_dtype)
             else:
                 data = data.to(out_dtype)  # no-op when the cache holds the compute dtype
             out.append(data.flatten(-4, -3))
@@ -145,10 +163,8 @@ def allocate_kv_caches(
     `pin_memory` (a CPU device only): page-locked, for the host tier of a CUDA cache.
     `rotate`: 4-bit caches keep rotated rows (quant.ROTATED_DTYPES); False for the
     evaluation's unrotated int4, which measures what the rotation buys."""
-    width = quant.stored_width(spec.dtype, spec.head_dim)
-    shape = (num_blocks, spec.block_size, spec.num_kv_heads, width)
-    dtype = quant.storage_dtype(spec.dtype)
-    scaled = spec.dtype in quant.SCALED_DTYPES
+    rows = (num_blocks, spec.block_size, spec.num_kv_heads)
+    formats = key_value_dtypes(spec.dtype)  # the keys' and the values'
     huge = device.type == "cpu" and not pin_memory
 
     def table(size: tuple[int, ...], table_dtype: torch.dtype, fill: float) -> torch.Tensor:
@@ -156,14 +172,21 @@ def allocate_kv_caches(
             return _huge_page_table(size, table_dtype, fill)
         return torch.full(size, fill, dtype=table_dtype, device=device, pin_memory=pin_memory)
 
+    def rows_of(row_format: str) -> torch.Tensor:
+        width = quant.stored_width(row_format, spec.head_dim)
+        return table((*rows, width), quant.storage_dtype(row_format), 0)
+
+    def scales_of(row_format: str) -> torch.Tensor | None:
+        return table(rows, torch.float32, 1) if row_format in quant.SCALED_DTYPES else None
+
     caches = []
     for _ in range(spec.layers_per_block):
         caches.append(
             LayerKVCache(
-                key=table(shape, dtype, 0),
-                value=table(shape, dtype, 0),
-                key_scale=table(shape[:3], torch.float32, 1) if scaled else None,
-                value_scale=table(shape[:3], torch.float32, 1) if scaled else None,
+                key=rows_of(formats[0]),
+                value=rows_of(formats[1]),
+                key_scale=scales_of(formats[0]),
+                value_scale=scales_of(formats[1]),
                 kv_dtype=spec.dtype,
                 rotated=rotate and spec.dtype in quant.ROTATED_DTYPES,
             )

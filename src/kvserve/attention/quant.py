@@ -28,10 +28,13 @@ _MIN_SCALE = 1e-12
 
 INT4_LEVELS_HALF = 8.0  # scale = amax / 8; codes 0..15 stand for -7.5 .. 7.5 steps
 
-QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
-SCALED_DTYPES = ("fp8_e4m3", "int8", "int4")
+# The formats of a row (quantize / dequantize), and the cache dtypes built on them: k8v4 keeps
+# int8 keys and int4 values (config.SPLIT_KV_DTYPES).
+ROW_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")
+QUANTIZED_DTYPES = (*ROW_FORMATS, "k8v4")
+SCALED_DTYPES = ("fp8_e4m3", "int8", "int4")  # row formats with a scale per row
 PACKED_DTYPES = ("int4",)  # two codes a byte: the cache's last dim is head_dim / 2
-ROTATED_DTYPES = ("int4",)  # rows stored rotated (attention/rotation.py)
+ROTATED_DTYPES = ("int4", "k8v4")  # rows stored rotated (attention/rotation.py)
 
 FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STORAGE_TORCH_DTYPE = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.config import SPLIT_KV_DTYPES, key_value_dtypes
 from kvserve.errors import ParameterError
 
 # Bits of one stored value for each KV dtype name ("auto" resolves to the model dtype first).
@@ -29,13 +30,20 @@ DTYPE_BITS = {
 SCALE_BYTES_PER_TOKEN_HEAD = {"fp8_e4m3": 4, "int8": 4, "int4": 4}
 
 
+def row_bytes(head_dim: int, storage_dtype: str) -> int:
+    """Bytes of one head's K or V row of one token in a storage dtype, its scale included."""
+    return head_dim * DTYPE_BITS[storage_dtype] // 8 + SCALE_BYTES_PER_TOKEN_HEAD.get(
+        storage_dtype, 0
+    )
+
+
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """Map a --kv-cache-dtype value to a storage dtype name: auto -> model dtype, fp8 -> e4m3."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype == "fp8":
         return "fp8_e4m3"
-    if kv_cache_dtype not in DTYPE_BITS:
+    if kv_cache_dtype not in DTYPE_BITS and kv_cache_dtype not in SPLIT_KV_DTYPES:
         raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}")
     return kv_cache_dtype
 
@@ -112,17 +120,11 @@ class KVCacheSpec:
         return slots
 
     @property
-    def bits_per_value(self) -> int:
-        return DTYPE_BITS[self.dtype]
-
-    @property
-    def scale_bytes_per_token_head(self) -> int:
-        return SCALE_BYTES_PER_TOKEN_HEAD.get(self.dtype, 0)
-
-    @property
     def bytes_per_token_per_layer(self) -> int:
-        per_head = self.head_dim * self.bits_per_value // 8 + self.scale_bytes_per_token_head
-        return 2 * self.num_kv_heads * per_head
+        """K and V of one token in one layer: each head's row and its scale, for the keys'
+        storage dtype and the values' (the same one but for k8v4)."""
+        per_head = sum(row_bytes(self.head_dim, name) for name in key_value_dtypes(self.dtype))
+        return self.num_kv_heads * per_head
 
     @property
     def bytes_per_token(self) -> int:

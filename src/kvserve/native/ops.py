@@ -24,6 +24,7 @@ from typing import NamedTuple, NoReturn
 
 import torch
 
+from kvserve.config import key_value_dtypes
 from kvserve.native import build
 from kvserve.native.build import KernelBuildError
 from kvserve.native.kinds import (
@@ -116,6 +117,11 @@ def _scales(key: torch.Tensor | None, value: torch.Tensor | None, shape: torch.S
     )  # fmt: skip
 
 
+def _row_width(kind: Kind, dim: int) -> int:
+    """Elements of a cache row of `dim` values in `kind`'s storage: two 4-bit codes a byte."""
+    return dim // 2 if kind is Kind.I4 else dim
+
+
 def _refuse(entry: str, expected: str, **tensors: torch.Tensor | None) -> NoReturn:
     got = ", ".join(
         f"{name} {'None' if t is None else (tuple(t.shape), t.dtype, t.stride())}"
@@ -172,14 +178,14 @@ class Kernels:
             _refuse("paged_decode_attention", "query [B, H, D], caches [blocks, block_size, "
                     "Hkv, D]", query=query, key=key)  # fmt: skip
         (num_seqs, num_heads, dim), num_kv_heads = q_shape, k_shape[2]
-        kind = kind_of(key.dtype, cache.kv_dtype)
+        key_format, value_format = key_value_dtypes(cache.kv_dtype)
+        kind, value_kind = kind_of(key.dtype, key_format), kind_of(value.dtype, value_format)
         # Written out (dtypes are singletons: `is`), as this runs once a layer and step.
         if not (
             (query.dtype is _F32 or query.dtype is _BF16) and out.dtype is query.dtype
             and out.shape == q_shape and query.is_contiguous() and out.is_contiguous()
-            and k_shape[3] == (dim // 2 if kind is Kind.I4 else dim)
-            and num_heads % num_kv_heads == 0
-            and value.dtype is key.dtype and value.shape == k_shape
+            and k_shape[3] == _row_width(kind, dim) and num_heads % num_kv_heads == 0
+            and value.shape[:3] == k_shape[:3] and value.shape[3] == _row_width(value_kind, dim)
             and key.is_contiguous() and value.is_contiguous()
             and (key_scale is value_scale is None or _scales(key_scale, value_scale, k_shape))
             and block_tables.dtype is _INT64 and block_tables.dim() == 2
@@ -204,7 +210,7 @@ class Kernels:
             kind=kind, num_seqs=num_seqs, max_blocks=block_tables.shape[1],
             num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, dim=dim,
             block_size=key.shape[1], sm_scale=scale, num_threads=torch.get_num_threads(),
-            io_bf16=query.dtype == _BF16, sliding_window=window,
+            io_bf16=query.dtype == _BF16, sliding_window=window, value_kind=value_kind,
         )  # fmt: skip
         if new_rows is not None:
             _set_new_rows(args, new_rows, key)
@@ -293,7 +299,7 @@ class Kernels:
             and kind in (Kind.I8, Kind.E4M3, Kind.E5M2, Kind.I4)
             and cache.dtype is STORAGE_DTYPE[kind] and len(c_shape) == 3
             and c_shape[1] == r_shape[1]
-            and c_shape[2] == (r_shape[2] // 2 if kind is Kind.I4 else r_shape[2])
+            and c_shape[2] == _row_width(kind, r_shape[2])
             and cache.is_contiguous()
             and (scales is None if kind == Kind.E5M2 else scales is not None
                  and scales.dtype is _F32 and scales.is_contiguous()

@@ -43,6 +43,7 @@ class PagedDecodeArgs(ctypes.Structure):
         ("num_threads", _I32),
         ("io_bf16", _I32),
         ("sliding_window", _I32),
+        ("value_kind", _I32),
     ]
 
 

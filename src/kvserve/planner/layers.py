@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from kvserve.config import SPLIT_KV_DTYPES, key_value_dtypes
 from kvserve.kv.spec import (
     DTYPE_BITS,
     SCALE_BYTES_PER_TOKEN_HEAD,
@@ -30,6 +31,7 @@ from kvserve.kv.spec import (
     kv_cache_spec,
     kv_heads_per_rank,
     resolve_kv_dtype,
+    row_bytes,
 )
 from kvserve.planner.model import LayerKind, ModelShape, PlanError
 
@@ -179,7 +181,7 @@ def _group(
 def mla_bytes_per_token_per_layer(shape: ModelShape, dtype: str) -> int:
     """(kv_lora_rank + qk_rope_head_dim) values, plus one scale for dtypes that carry scales."""
     latent = (shape.kv_lora_rank or 0) + shape.qk_rope_head_dim
-    return latent * DTYPE_BITS[dtype] // 8 + SCALE_BYTES_PER_TOKEN_HEAD.get(dtype, 0)
+    return row_bytes(latent, key_value_dtypes(dtype)[0])  # the latent is a key
 
 
 def _formula(
@@ -191,6 +193,8 @@ def _formula(
 ) -> tuple[str, ...]:
     """Say which formula produced the numbers, with this model's values filled in."""
     num_kv_layers = sum(g.num_layers for g in groups)
+    if dtype in SPLIT_KV_DTYPES:
+        return _split_formula(shape, dtype, num_kv_layers, tensor_parallel_size)
     value = f"{DTYPE_BITS[dtype] / 8:g} B ({dtype})"
     scale = SCALE_BYTES_PER_TOKEN_HEAD.get(dtype, 0)
     if shape.is_mla:
@@ -216,6 +220,23 @@ def _formula(
     if num_none:
         lines.append(f"{num_none} layers have no attention and keep no KV cache")
     return tuple(line for line in lines if line)
+
+
+def _split_formula(
+    shape: ModelShape, dtype: str, num_kv_layers: int, tensor_parallel_size: int
+) -> tuple[str, ...]:
+    """The formula of a dtype that stores keys and values in two formats (k8v4)."""
+    heads = kv_heads_per_rank(shape.num_kv_heads, tensor_parallel_size)
+    key, value = key_value_dtypes(dtype)
+    parts = " + ".join(
+        f"{shape.head_dim} x {DTYPE_BITS[name] / 8:g} B ({name} {which})"
+        + (f" + {SCALE_BYTES_PER_TOKEN_HEAD.get(name, 0)} B scale")
+        for which, name in (("K", key), ("V", value))
+    )
+    return (
+        f"{shape.attention_name}: {num_kv_layers} layers x {heads} KV heads x ({parts})",
+        _heads_line(shape, tensor_parallel_size, heads),
+    )
 
 
 def _heads_line(shape: ModelShape, tensor_parallel_size: int, heads_per_rank: int) -> str:

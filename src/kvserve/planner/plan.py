@@ -28,7 +28,7 @@ from kvserve.planner.weights import (
 )
 
 # The KV dtypes every plan compares side by side ("auto" is the model's 16/32-bit dtype).
-KV_DTYPES_COMPARED = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_DTYPES_COMPARED = ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "k8v4")
 
 
 @dataclass(frozen=True)

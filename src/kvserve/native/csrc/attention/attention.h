@@ -12,7 +12,8 @@
 typedef struct {
     const void *query;       /* [num_seqs, num_kv_heads * group, dim]: float32, bf16 if io_bf16 */
     void *out;               /* as query */
-    void *key, *value;       /* [blocks, block_size, num_kv_heads, dim] in the `kind` storage */
+    void *key, *value;       /* [blocks, block_size, num_kv_heads, dim] in the `kind` and
+                              * `value_kind` storages (dim / 2 bytes a row for KV_I4) */
     const float *key_scale, *value_scale; /* [blocks, block_size, num_kv_heads] or NULL */
     const float *lut;        /* the fp8 kinds' 256 values (byte -> float32), else NULL */
     const int64_t *block_tables; /* [num_seqs, max_blocks] */
@@ -26,6 +27,7 @@ typedef struct {
     float sm_scale;
     int num_threads, io_bf16;
     int sliding_window;      /* 0, or W: each sequence attends its last W keys alone */
+    int value_kind;          /* the values' storage: `kind` but for k8v4 (int8 K, int4 V) */
 } paged_decode_args;
 
 int paged_decode_attention(const paged_decode_args *args);

@@ -257,11 +257,13 @@ static inline void block_rows(const void *cache, const float *scales, int kind, 
  * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
 static void attend_sequence(const float *q, float *out, const void *key, const void *value,
                             const float *key_scale, const float *value_scale, const float *lut,
-                            int kind, int64_t row_bytes, const int64_t *table, int64_t seq_len,
+                            int kind, int value_kind, int64_t key_row_bytes,
+                            int64_t value_row_bytes, const int64_t *table, int64_t seq_len,
                             int skip, int num_kv_heads, int group, int dim, int block_size,
                             float sm_scale, float *work, float *lse) {
     const int num_heads = num_kv_heads * group;
-    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * row_bytes;
+    const int64_t key_block_bytes = (int64_t)block_size * num_kv_heads * key_row_bytes;
+    const int64_t value_block_bytes = (int64_t)block_size * num_kv_heads * value_row_bytes;
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
     float *run_max = work, *run_sum = run_max + num_heads, *probs = run_sum + num_heads;
     float *key_buf = probs + group * block_size, *value_buf = key_buf + block_size * dim;
@@ -273,8 +275,9 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
     for (int64_t b = 0; b < num_blocks; b++) {
         if (b + 1 < num_blocks) {
-            prefetch_rows((const char *)key + table[b + 1] * block_bytes, block_bytes);
-            prefetch_rows((const char *)value + table[b + 1] * block_bytes, block_bytes);
+            prefetch_rows((const char *)key + table[b + 1] * key_block_bytes, key_block_bytes);
+            prefetch_rows((const char *)value + table[b + 1] * value_block_bytes,
+                          value_block_bytes);
         }
         const int lo = b == 0 ? skip : 0; /* rows before the window's first key */
         int64_t first_slot = table[b] * block_size + lo;
@@ -283,8 +286,8 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
         for (int h = 0; h < num_kv_heads; h++) {
             block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
                        key_buf, key_rows);
-            block_rows(value, value_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
-                       value_buf, value_rows);
+            block_rows(value, value_scale, value_kind, lut, first_slot, count, h, num_kv_heads,
+                       dim, value_buf, value_rows);
             for (int g = 0; g < group; g++) {
                 int head = h * group + g;
                 float *p = probs + g * block_size, *acc = out + (int64_t)head * dim;

@@ -171,7 +171,7 @@ int paged_decode_attention(const paged_decode_args *args) {
     void *out = args->out, *key = args->key, *value = args->value;
     const float *key_scale = args->key_scale, *value_scale = args->value_scale;
     const float *lut = args->lut;
-    int kind = args->kind;
+    int kind = args->kind, value_kind = args->value_kind;
     const int64_t *block_tables = args->block_tables, *seq_lens = args->seq_lens;
     int num_seqs = args->num_seqs, max_blocks = args->max_blocks;
     int num_kv_heads = args->num_kv_heads, group = args->group, dim = args->dim;
@@ -198,7 +198,7 @@ int paged_decode_attention(const paged_decode_args *args) {
     size_t work_floats = general > fast_work ? general : fast_work;
 #if HAVE_BF16_DOT
     const int fast = (kind == KV_BF16 || kind == KV_I8 || kind == KV_E4M3 || kind == KV_E5M2)
-                     && fast_dim(dim);
+                     && value_kind == kind && fast_dim(dim);
 #endif
 #if DECODE_HAS_AMX
     const int amx = fast && block_size <= 32 && amx_shape(kind, num_heads, dim, block_size);
@@ -265,9 +265,10 @@ int paged_decode_attention(const paged_decode_args *args) {
                                      work, seq_lse, next);
             } else
 #endif
-                attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind,
-                                head_row_bytes(kind, dim), table, seq_len, skip, num_kv_heads, group,
-                                dim, block_size, sm_scale, work, seq_lse);
+                attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind, value_kind,
+                                head_row_bytes(kind, dim), head_row_bytes(value_kind, dim), table,
+                                seq_len, skip, num_kv_heads, group, dim, block_size, sm_scale,
+                                work, seq_lse);
             if (prior_out)
                 merge_prior(o, prior_out + head0, prior_lse + (int64_t)seq * num_heads, own_lse,
                             num_heads, dim);

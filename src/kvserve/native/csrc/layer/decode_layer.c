@@ -265,6 +265,7 @@ int decode_step_layers(const decode_step_args *args) {
         const paged_decode_args decode = {
             .query = q, .out = attn, .key = key, .value = value,
             .key_scale = key_scale, .value_scale = value_scale, .lut = NULL, .kind = kind,
+            .value_kind = kind,
             .block_tables = block_tables + prefix_blocks, .seq_lens = seq_lens,
             .num_seqs = (int)m, .max_blocks = max_blocks, .num_kv_heads = l->num_kv_heads,
             .group = l->num_heads / l->num_kv_heads, .dim = l->head_dim,
