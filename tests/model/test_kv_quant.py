@@ -137,8 +137,11 @@ def fresh(checkpoint: Checkpoint) -> Checkpoint:
 
 @pytest.mark.parametrize(
     ("kv_dtype", "head_bytes", "num_blocks", "storage"),
-    [("int8", 64 + 4, 514, torch.int8), ("int4", 32 + 4, 970, torch.uint8),
-     ("k8v4", (64 + 4 + 32 + 4) // 2, 672, torch.int8)],  # fmt: skip
+    [
+        ("int8", 64 + 4, 514, torch.int8),
+        ("int4", 32 + 4, 970, torch.uint8),
+        ("k8v4", (64 + 4 + 32 + 4) // 2, 672, torch.int8),
+    ],  # fmt: skip
 )
 def test_quantized_engine_block_count_and_tokens_equal_the_harness(
     checkpoint, model, text_ids, kv_dtype, head_bytes, num_blocks, storage
