@@ -224,9 +224,10 @@ class CacheConfig:
     kv_cache_dtype_check: str = field(
         default="refuse",
         metadata=_help(
-            "With an 8-bit --kv-cache-dtype, compare a canary text's logits through the 8-bit "
-            "and the full-precision cache at start-up: refuse (exit when the top-1 agreement "
-            "is below --kv-cache-dtype-check-min-agreement, naming a dtype that passes), "
+            "With a quantized --kv-cache-dtype (8- or 4-bit), compare a canary text's logits "
+            "through the quantized and the full-precision cache at start-up: refuse (exit when "
+            "the top-1 agreement is below --kv-cache-dtype-check-min-agreement, naming a dtype "
+            "that passes), "
             "fallback (log and use that dtype instead), off.",
             choices=KV_CACHE_DTYPE_CHECKS,
         ),
@@ -234,7 +235,7 @@ class CacheConfig:
     kv_cache_dtype_check_min_agreement: float = field(
         default=KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT,
         metadata=_help(
-            "Lowest top-1 agreement (0-1) of the 8-bit KV cache check "
+            "Lowest top-1 agreement (0-1) of the quantized KV cache check "
             f"(default {KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT}: measured on the embedded model, "
             "see docs/prefix_cache.md)."
         ),

@@ -20,7 +20,7 @@ from kvserve.flags import add_engine_args, add_fields, engine_config_from_args, 
 if TYPE_CHECKING:
     from kvserve.evaluation.kv_eval import KVDtypeResult
 
-DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8,int4,int4_unrotated"
+DEFAULT_KV_DTYPES = "auto,fp8_e4m3,fp8_e5m2,int8,k8v4,int4,int4_unrotated"
 
 DESCRIPTION = """\
 Perplexity and greedy agreement of each KV cache dtype on one model and one text.

@@ -1,5 +1,5 @@
-"""Start-up check of an 8-bit KV cache: a canary text through the 8-bit and the full-precision
-cache, compared logit by logit, before the engine commits to the dtype.
+"""Start-up check of a quantized (8- or 4-bit) KV cache: a canary text through the quantized and
+the full-precision cache, compared logit by logit, before the engine commits to the dtype.
 
 The canary (CANARY_TEXT, about 300 tokens) is prefilled in chunks of CANARY_CHUNK tokens, so
 every chunk after the first attends over K/V read back from the cache (quantized on write,
@@ -9,7 +9,7 @@ cache of the model's own dtype (`auto`).  One line is logged:
     KV cache dtype check: int8 vs float32 over 266 positions: largest logit difference 0.21,
     top-1 agreement 100.0% (minimum 90.0%): pass
 
-Below --kv-cache-dtype-check-min-agreement the other 8-bit dtypes are tried, and the engine
+Below --kv-cache-dtype-check-min-agreement the other quantized dtypes are tried, and the engine
 refuses to start naming the best one that passes (`auto` when none does), or, with
 --kv-cache-dtype-check fallback, logs that and uses it.  The default minimum is measured on the
 embedded model (docs/prefix_cache.md).  It runs in the Worker (executor/worker.py), on every
