@@ -19,10 +19,10 @@ import pytest
 from e2e_server import ServerProcess, launch_faulty_server, scrape, wait_for_idle
 
 HTTP_TIMEOUT_S = 180.0
-# --stream-stall-timeout 15 (the default, 60 s, cost a minute of the suite's 12: the default
+# --stream-stall-timeout 6 (the default, 60 s, cost a minute of the suite's 12: the default
 # itself is checked in tests/unit/test_server_args.py).  512 MiB of float32 KV holds the
 # stalled request's 8 sequences while it runs.
-STALL_S = 15
+STALL_S = 6
 ARGS = ["--max-model-len", "4200", "--kv-cache-memory", "512MiB",
         "--stream-stall-timeout", str(STALL_S)]  # fmt: skip
 SMALL = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0,
@@ -55,8 +55,10 @@ def rss_bytes(pid: int) -> int:
 
 def test_a_client_that_stops_reading_holds_bounded_memory_and_is_aborted(server, http):
     _, reference = small_request(http)
+    # 20 logprobs a token: ~1 KiB an event, so the ~1 MiB of socket buffers fill in seconds
+    # (plain events of ~250 bytes took ~40 s of the suite)
     body = {"prompt": "Once upon a time", "n": 8, "max_tokens": 4000, "ignore_eos": True,
-            "temperature": 1.0, "stream": True}  # fmt: skip
+            "temperature": 1.0, "stream": True, "logprobs": 20}  # fmt: skip
     request = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(json.dumps(body))}\r\n\r\n{json.dumps(body)}"

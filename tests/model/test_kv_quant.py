@@ -106,14 +106,15 @@ def test_granularity_study_uses_the_real_quantizer_at_token_head(real_kv):
 
 
 def test_perplexity_of_quantized_caches_within_bounds_of_the_float32_cache(model, text_ids):
-    """1,024 tokens of the reference text, windows of 256 prefilled in chunks of 32: every
-    chunk after a window's first attends over K/V read back from the cache.  Bounds: fp8_e4m3
-    within 1%, int8 within 0.5% of the unquantized (float32) cache; int4 (rotated, key offsets
-    subtracted) within 6%, and both its perplexity and its KL divergence well below those of
-    int4 without the rotation (measured here: +4.3% against +21.5%; docs/benchmarks.md has the
-    same on 20,480 tokens).  The caches run in lockstep (perplexity.compare)."""
-    tokens = text_ids[:1024]
-    names = ("auto", "fp8_e4m3", "int8", "int4", "int4_unrotated", "k8v4")
+    """512 tokens of the reference text, windows of 256 prefilled in chunks of 32: every chunk
+    after a window's first attends over K/V read back from the cache.  Bounds against the
+    unquantized (float32) cache: int8 within 0.5%, k8v4 within 1%, int4 (rotated, key offsets
+    subtracted) within 6%, and its perplexity increase and KL divergence under half those of
+    int4 without the rotation (measured here: int8 +0.29%, k8v4 +0.21%, int4 +1.8%,
+    unrotated +18.7%; docs/benchmarks.md has them on 20,480 tokens).
+    The caches run in lockstep (perplexity.compare)."""
+    tokens = text_ids[:512]
+    names = ("auto", "int8", "k8v4", "int4", "int4_unrotated")
     caches = [
         allocate_cache(model.config, name, torch.float32, 16, cache_blocks_needed(256, 32, 16), CPU)
         for name in names
@@ -121,13 +122,12 @@ def test_perplexity_of_quantized_caches_within_bounds_of_the_float32_cache(model
     results = dict(zip(names, compare(model, caches, tokens, 256, 32, CPU), strict=True))
     reference = results["auto"].perplexity
     ratio = {name: r.perplexity / reference - 1 for name, r in results.items()}
-    assert results["auto"].num_predicted == 4 * 255 and results["auto"].kl_sum == 0
+    assert results["auto"].num_predicted == 2 * 255 and results["auto"].kl_sum == 0
     assert 5 < reference < 60  # English prose, a 135M model
-    assert abs(ratio["fp8_e4m3"]) < 0.01 and abs(ratio["int8"]) < 0.005, ratio
+    assert abs(ratio["int8"]) < 0.005 and abs(ratio["k8v4"]) < 0.01, ratio
     assert 0 < ratio["int4"] < 0.06 and ratio["int4_unrotated"] > 2 * ratio["int4"], ratio
-    assert abs(ratio["k8v4"]) < 0.01, ratio  # int8 keys: most of int4's loss is the keys
     kl = {name: r.mean_kl for name, r in results.items()}
-    assert 0 < kl["int8"] < kl["int4"] < kl["int4_unrotated"] / 2, kl
+    assert 0 < kl["int8"] < kl["k8v4"] < kl["int4"] < kl["int4_unrotated"] / 2, kl
 
 
 def fresh(checkpoint: Checkpoint) -> Checkpoint:
