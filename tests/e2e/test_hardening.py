@@ -157,10 +157,11 @@ def test_cached_tokens_count_prefix_cache_hits_only(http, n):
     assert again["prompt_tokens_details"]["cached_tokens"] == 32
 
 
-def test_health_answers_while_a_16_mib_prompt_is_tokenized(server):
-    """Tokenizing ~15 MiB of text takes seconds; it runs on a tokenizer thread (which releases
-    the GIL inside the Rust tokenizer), so the event loop keeps answering."""
-    text = "The quick brown fox jumps over the lazy dog. " * (15 * 2**20 // 45)
+def test_health_answers_while_a_4_mib_prompt_is_tokenized(server):
+    """Tokenizing ~4 MiB of text takes seconds; it runs on a tokenizer thread (which releases
+    the GIL inside the Rust tokenizer), so the event loop keeps answering.  (15 MiB took ~17 s
+    of the suite's 12 minutes; 4 MiB leaves dozens of probes.)"""
+    text = "The quick brown fox jumps over the lazy dog. " * (4 * 2**20 // 45)
     result: dict[str, httpx.Response] = {}
 
     def post() -> None:
@@ -177,7 +178,7 @@ def test_health_answers_while_a_16_mib_prompt_is_tokenized(server):
             latencies.append(time.perf_counter() - started)
             time.sleep(0.05)
     worker.join()
-    assert result["r"].status_code == 200 and result["r"].json()["count"] > 3_000_000
+    assert result["r"].status_code == 200 and result["r"].json()["count"] > 800_000
     assert len(latencies) >= 5, "tokenization ended too soon to measure anything"
     latencies.sort()
     assert latencies[len(latencies) // 2] < 0.1, latencies  # the median: the machine is shared

@@ -140,7 +140,6 @@ def fresh(checkpoint: Checkpoint) -> Checkpoint:
     [
         ("int8", 64 + 4, 514, torch.int8),
         ("int4", 32 + 4, 970, torch.uint8),
-        ("k8v4", (64 + 4 + 32 + 4) // 2, 672, torch.int8),
     ],  # fmt: skip
 )
 def test_quantized_engine_block_count_and_tokens_equal_the_harness(
@@ -165,7 +164,7 @@ def test_quantized_engine_block_count_and_tokens_equal_the_harness(
     assert f"{num_blocks} blocks x 16 tokens = {num_blocks * 16:,} tokens" in sizing.summary()
     assert f"{per_token:,} bytes/token, {kv_dtype}" in sizing.summary()
     assert engine.executor.kv_caches[0].key.dtype == storage
-    assert engine.executor.kv_caches[0].rotated == (kv_dtype in ("int4", "k8v4"))
+    assert engine.executor.kv_caches[0].rotated == (kv_dtype == "int4")
     prompts = [text_ids[100:140], text_ids[5000:5040]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
