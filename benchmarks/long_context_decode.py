@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from linear_bound import read_bytes_per_second  # the bound's streaming rate (benchmarks/)
 
 from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
@@ -35,13 +36,6 @@ from kvserve.runner.paged_forward import Piece, forward_hidden
 
 CPU = torch.device("cpu")
 KV_DTYPES = ("bfloat16", "float32", "int8", "int4")
-
-
-def read_bytes_per_second(size: int = 2**30, repeat: int = 5) -> float:
-    """Streaming read rate: the best of `repeat` sums over `size` bytes with torch's threads."""
-    x = torch.ones(size // 4)
-    best = min(_seconds(x.sum) for _ in range(repeat))
-    return size / best
 
 
 def _seconds(fn) -> float:
