@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from kvserve.attention import quant, select_backend
+from kvserve import kv_quant as quant
+from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.kv.spec import kv_cache_spec

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.attention.base import AttentionMetadata, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.config import key_value_dtypes

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.attention.kv_cache import kv_cache_bytes
 from kvserve.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from kvserve.engine.llm_engine import LLMEngine

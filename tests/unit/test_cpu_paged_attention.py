@@ -15,7 +15,8 @@ from attention_cases import (
     mixed_step,
 )
 
-from kvserve.attention import quant, select_backend
+from kvserve import kv_quant as quant
+from kvserve.attention import select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend

@@ -19,7 +19,7 @@ module like the others: importing `kvserve.kv.spec` is an edge to kv/spec.py onl
 packages Python initializes on the way.
 
 kv/ is pure Python as a folder rule: every module in it, and every module those import,
-imports only the standard library (no torch: the 8-bit KV formats live in attention/quant.py).
+imports only the standard library (no torch: the 8-bit KV formats live in kv_quant.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import kvserve
 
 ROOT = Path(kvserve.__file__).parent
 LEAVES = {"errors", "config", "flags", "request", "step", "tokenizer", "formats", "allocator"}
-SERVING = {"kv", "native", "attention", "models", "runner", "executor", "engine"}
+SERVING = {"kv", "kv_quant", "native", "attention", "models", "runner", "executor", "engine"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "allocator": {"errors"},
@@ -50,10 +50,13 @@ ALLOWED: dict[str, set[str]] = {
     "tokenizer": {"config", "errors"},
     "kv": {"config", "errors"},
     "native": {"config", "errors"},
-    "attention": {"kv", "native", "config", "errors"},
+    # kv_quant: the quantized KV formats (torch only), read by attention, the executor's KV
+    # dtype check and the evaluation
+    "kv_quant": set(),
+    "attention": {"kv", "kv_quant", "native", "config", "errors"},
     "models": {"attention", "native", "kv", "config", "errors", "formats"},
     "runner": {"models", "attention", "native", "kv"} | LEAVES,
-    "executor": {"runner", "models", "attention", "native", "kv"} | LEAVES,
+    "executor": {"runner", "models", "attention", "kv_quant", "native", "kv"} | LEAVES,
     # structured: constrained decoding's grammars and matchers (numpy, llguidance; no
     # torch), which the engine steps and the server validates requests with
     "structured": LEAVES,

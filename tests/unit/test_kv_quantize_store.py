@@ -1,4 +1,4 @@
-"""The one-pass C quantize-and-store (attention/csrc/kv_quantize.c) against attention/quant.py: the
+"""The one-pass C quantize-and-store (attention/csrc/kv_quantize.c) against kv_quant.py: the
 same codes and scales, bit for bit, for every 8- and 4-bit dtype, from float32 and bfloat16 rows, in
 contiguous and strided (a column slice of a fused QKV output) layouts, with tiny values
 (fp8 subnormals), zeros, values past the formats' ranges and ties."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.native import ops
 

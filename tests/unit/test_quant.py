@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.attention.kv_cache import allocate_kv_caches, kv_cache_bytes
 from kvserve.engine.sizing import size_kv_cache
 from kvserve.kv.spec import kv_cache_spec

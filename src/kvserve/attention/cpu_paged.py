@@ -22,7 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from kvserve.attention import bf16_prefill, quant, shared_prefix
+from kvserve import kv_quant as quant
+from kvserve.attention import bf16_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import (

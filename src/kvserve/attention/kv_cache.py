@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.config import key_value_dtypes
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.native import ops
@@ -39,7 +39,7 @@ def _store_quantized_in_c(
     row_format: str,
 ) -> bool:
     """Quantize and store `x` in one pass through the native library
-    (native/csrc/attention/kv_quantize.c, the same codes as attention/quant.py bit for bit); False
+    (native/csrc/attention/kv_quantize.c, the same codes as kv_quant.py bit for bit); False
     where it does not apply (another device or dtype, no compiler), and the torch path stores
     instead."""
     kernels = _c_rows_kernels(x)

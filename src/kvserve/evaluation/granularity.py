@@ -6,7 +6,7 @@ cache would store), then quantized and dequantized with one scale per
     tensor        one scale per layer for all tokens and heads (a static per-tensor scale)
     head          one scale per kv head for all tokens
     token         one scale per token for all heads
-    token, head   one scale per (token, kv head): attention/quant.py's choice
+    token, head   one scale per (token, kv head): kv_quant.py's choice
 
 or with no scale at all (fp8 e4m3 at scale 1.0, e5m2), and the error is reported relative to
 the values' RMS: over the whole layer, and for the worst token (where coarse scales hurt:
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import quant
+from kvserve import kv_quant as quant
 from kvserve.evaluation.paged import Piece, allocate_cache, forward_hidden
 from kvserve.kv.spec import cdiv
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvserve.attention.quant import ROTATED_DTYPES
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import (
@@ -31,6 +30,7 @@ from kvserve.executor.base import (
 from kvserve.executor.kv_dtype_check import canary_token_ids, wants_check
 from kvserve.executor.memory import HostMemory, kv_budget_bytes, measure_host_memory
 from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv_quant import ROTATED_DTYPES
 from kvserve.models.loader import Checkpoint as Checkpoint  # the engine names it through here
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 

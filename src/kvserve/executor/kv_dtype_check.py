@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention.quant import QUANTIZED_DTYPES
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.kv.spec import kv_cache_spec, resolve_kv_dtype
+from kvserve.kv_quant import QUANTIZED_DTYPES
 from kvserve.native import platform
 from kvserve.runner.paged_forward import allocate_paged_cache, chunked_prefill_logits
 

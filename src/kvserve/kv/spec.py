@@ -26,7 +26,7 @@ DTYPE_BITS = {
 }
 
 # Formats with a narrow range keep one float32 scale per (token, kv head) for K and for V;
-# e5m2 has the range of fp16 and needs none.  See attention/quant.py for why this granularity.
+# e5m2 has the range of fp16 and needs none.  See kv_quant.py for why this granularity.
 SCALE_BYTES_PER_TOKEN_HEAD = {"fp8_e4m3": 4, "int8": 4, "int4": 4}
 
 

@@ -23,7 +23,7 @@ class Kind(IntEnum):
     I8 = 3
     E4M3 = 5
     E5M2 = 6
-    I4 = 7  # two 4-bit codes a byte (attention/quant.py's int4)
+    I4 = 7  # two 4-bit codes a byte (kv_quant.py's int4)
 
 
 _KIND_OF_DTYPE = {

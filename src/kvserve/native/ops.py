@@ -291,7 +291,7 @@ class Kernels:
         slots: torch.Tensor,  # [T] int64
         kind: Kind,
     ) -> None:
-        """csrc/attention/kv_quantize.c: quantize and store in one pass (attention/quant.py's codes
+        """csrc/attention/kv_quantize.c: quantize and store in one pass (kv_quant.py's codes
         bit for bit)."""
         r_shape, c_shape = rows.shape, cache.shape
         if not (

@@ -1,7 +1,7 @@
 /*
  * Quantize-and-store of a step's K or V into an 8-bit paged cache (CPU), in one pass.
  *
- * attention/quant.py's torch version makes about eight passes over the rows (widen, abs, amax,
+ * kv_quant.py's torch version makes about eight passes over the rows (widen, abs, amax,
  * divide, clamp, round, narrow, scatter): 2.6 ms per layer for a 2,048-token chunk against
  * 0.58 ms for a bf16 store, which ate what the 8-bit decode path saves.  This computes the same
  * codes bit for bit: the same float32 operations in the same order, and round-to-nearest-even

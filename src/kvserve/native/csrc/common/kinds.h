@@ -8,7 +8,7 @@
 #define KVSERVE_KINDS_H
 
 /* KV_I4: two 4-bit codes a byte, value 2j in byte j's low nibble; a row of dim values is
- * dim / 2 bytes, its value (code - 7.5) x the row's scale (attention/quant.py). */
+ * dim / 2 bytes, its value (code - 7.5) x the row's scale (kv_quant.py). */
 enum kv_kind { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_E4M3 = 5, KV_E5M2 = 6, KV_I4 = 7 };
 
 #endif

@@ -1,4 +1,7 @@
-"""8- and 4-bit KV cache formats: quantize on write, dequantize on read (torch, so not in kv/).
+"""8- and 4-bit KV cache formats: quantize on write, dequantize on read.
+
+A module of its own: the attention backends, the KV dtype check, the evaluation and the
+benchmarks all read these formats, and it needs torch, so kv/ (pure Python) cannot hold it.
 
 Granularity: int8 and fp8_e4m3 keep one float32 scale per (token, kv head).  A token's K row
 can have outliers in a few channels (RoPE'd keys do) and per-tensor scales would let one
