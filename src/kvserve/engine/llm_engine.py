@@ -113,7 +113,9 @@ class LLMEngine:
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
         self.services = PrefixCacheServices(self.config.cache, ex.device)  # a bad endpoint fails
-        ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
+        ex.initialize_kv_caches(
+            sizing.spec, sizing.num_blocks, sizing.num_host_blocks, sizing.host_dtype
+        )
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
         self.cache_manager = make_cache_manager(self.config.cache, sizing, self.tokenizer,
                                                 self.services)  # fmt: skip
@@ -139,7 +141,8 @@ class LLMEngine:
         if cache.kv_offloading_size is None:
             return sizing
         host = ex.measure_host_memory()
-        return size_host_tier(sizing, cache.kv_offloading_size, ex.device, host)
+        return size_host_tier(sizing, cache.kv_offloading_size, ex.device, host,
+                              cache.kv_offloading_compression)  # fmt: skip
 
     def _open_prefix_store(self) -> None:
         """Load the blocks of --prefix-cache-dir whose fingerprint matches (cold cached)."""

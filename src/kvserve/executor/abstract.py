@@ -130,10 +130,13 @@ class Executor(ABC):
         """This machine's RAM (the host tier's; after the weights are loaded)."""
         return measure_host_memory()
 
-    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+    def initialize_kv_caches(
+        self, spec: KVCacheSpec, num_blocks: int, num_host: int, host_dtype: str | None = None
+    ) -> None:
         """Every rank allocates `num_blocks` device blocks and `num_host` host-tier blocks (the
-        same ids on every rank) for its KV heads."""
-        self.collective_rpc("initialize_kv_caches", spec, num_blocks, num_host)
+        same ids on every rank) for its KV heads, in `host_dtype` (int8: compressed; None: the
+        cache's dtype)."""
+        self.collective_rpc("initialize_kv_caches", spec, num_blocks, num_host, host_dtype)
 
     def warm_up(self) -> None:
         self.collective_rpc("warm_up")

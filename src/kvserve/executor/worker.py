@@ -170,16 +170,19 @@ class Worker:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ caches and steps
-    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+    def initialize_kv_caches(
+        self, spec: KVCacheSpec, num_blocks: int, num_host: int, host_dtype: str | None = None
+    ) -> None:
         """`num_blocks` device blocks for this rank's KV heads (one more with CUDA graphs: the
-        pad rows' scratch block), `num_host` of the --kv-offloading-size host tier; the block
-        ids are every rank's."""
+        pad rows' scratch block), `num_host` of the --kv-offloading-size host tier in
+        `host_dtype` (None: the cache's); the block ids are every rank's."""
         local = self.local_spec(spec)
         num_pad_blocks = 0 if self.graph_plan is None else 1
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(local, num_blocks + num_pad_blocks, self.device)
         host_kv_caches = (
-            allocate_kv_caches(local, num_host, CPU, pin_memory=self.device.type == "cuda")
+            allocate_kv_caches(replace(local, dtype=host_dtype or local.dtype), num_host, CPU,
+                               pin_memory=self.device.type == "cuda")
             if num_host else None
         )  # fmt: skip
         self.runner = ModelRunner(
