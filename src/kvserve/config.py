@@ -188,6 +188,25 @@ class CacheConfig:
             choices=KV_OFFLOADING_COMPRESSIONS,
         ),
     )
+    kv_offloading_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "A disk tier below the host tier (needs --kv-offloading-size): blocks the host "
+            "tier drops are written to files in DIR/<fingerprint> by a thread, in the host "
+            "tier's format, and read back into it on a hit instead of being recomputed; a "
+            "restarted server (or another one of the same model, dtypes and block size) finds "
+            "them. See docs/prefix_cache.md.",
+            metavar="DIR",
+        ),
+    )
+    kv_offloading_dir_size: int = field(
+        default=16 * 2**30,
+        metadata=_help(
+            "Size budget of --kv-offloading-dir, e.g. 16GiB: whole blocks, the least "
+            "recently used files go first.",
+            parse="size",
+        ),
+    )
     public_prefixes: str | None = field(
         default=None,
         metadata=_help(
@@ -275,9 +294,16 @@ class CacheConfig:
     def _validate_offloading(self) -> None:
         size = self.kv_offloading_size
         if size is None:
+            if self.kv_offloading_dir is not None:
+                raise ParameterError(
+                    "--kv-offloading-dir",
+                    "is the tier below the host tier: add --kv-offloading-size GIB",
+                )
             return
         if not size > 0:  # also refuses NaN
             raise ParameterError("--kv-offloading-size", f"must be positive GiB, got {size}")
+        if self.kv_offloading_dir_size <= 0:
+            raise ParameterError("--kv-offloading-dir-size", "must be positive, e.g. 16GiB")
         compression = self.kv_offloading_compression
         if compression is not None and compression not in KV_OFFLOADING_COMPRESSIONS:
             raise ParameterError(

@@ -26,6 +26,7 @@ class KVCacheSizing:
     max_model_len: int
     num_host_blocks: int = 0  # the host tier's (--kv-offloading-size)
     host_dtype: str | None = None  # the host tier's storage dtype (int8: compressed)
+    num_disk_blocks: int = 0  # the disk tier's (--kv-offloading-dir-size), host-tier blocks
 
     @property
     def host_spec(self) -> KVCacheSpec:
@@ -84,6 +85,7 @@ class KVCacheSizing:
             f"{self.num_host_blocks * host.block_size:,} tokens ({format_bytes(num_bytes)}"
             + (f", {host.dtype}" if host.dtype != self.spec.dtype else "")
             + ")"
+            + (f"; disk tier: {self.num_disk_blocks:,} blocks" if self.num_disk_blocks else "")
         )
 
 
@@ -137,7 +139,10 @@ def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
     """ParameterError for a flag that several KV cache groups do not serve yet: KV events
     describe one table's blocks (vLLM's wire format has no group)."""
     several = len(spec.groups) > 1
-    refused = [("--kv-events-config", cache.kv_events is not None and several)]
+    refused = [
+        ("--kv-events-config", cache.kv_events is not None and several),
+        ("--kv-offloading-dir", cache.kv_offloading_dir is not None and several),
+    ]
     for flag, refuse in refused:
         if refuse:
             raise ParameterError(
@@ -189,3 +194,18 @@ def size_host_tier(
             f"available now; at most {max(0, room) / GIB:.2f} GiB fits"
         )
     return replace(sizing, num_host_blocks=num_blocks, host_dtype=host_dtype)
+
+
+def size_disk_tier(sizing: KVCacheSizing, dir_size: int, directory: str | None) -> KVCacheSizing:
+    """`sizing` with the disk tier's whole host-tier blocks in --kv-offloading-dir-size
+    bytes (the few hundred bytes of a file's header not counted); none without a directory."""
+    if directory is None or not sizing.num_host_blocks:
+        return sizing
+    num_blocks = sizing.host_spec.num_blocks_in(dir_size)
+    if num_blocks == 0:
+        raise ParameterError(
+            "--kv-offloading-dir-size",
+            f"{format_bytes(dir_size)} holds no block of "
+            f"{format_bytes(sizing.host_spec.bytes_per_block)}",
+        )
+    return replace(sizing, num_disk_blocks=num_blocks)

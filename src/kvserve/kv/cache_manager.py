@@ -53,6 +53,7 @@ from typing import Protocol
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
+from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.events import KVEvent
 from kvserve.kv.groups import (
     HOST_HIT,
@@ -144,6 +145,8 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         report_cross_salt_misses: bool = False,
         groups: Sequence[KVCacheGroup] = (),
+        num_disk_blocks: int = 0,
+        disk_keys: Sequence[bytes] = (),
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -151,7 +154,8 @@ class KVCacheManager:
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
         nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
-        full attention)."""
+        full attention); `num_disk_blocks` the disk tier's capacity below the host tier
+        (--kv-offloading-dir; 0: none), `disk_keys` the keys its directory holds already."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
@@ -165,7 +169,8 @@ class KVCacheManager:
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
         self._log = CacheLog(block_size, enable_events, track_new_blocks)
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
+        self.host = HostTier(num_host_blocks, disk) if num_host_blocks and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -257,13 +262,15 @@ class KVCacheManager:
                             other_groups=tuple(tables[1:]), host_entries=host_entries)  # fmt: skip
 
     def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
-        """The leading keys held by the host tier (and not on the device: a block after a
-        host hit may still be cached on the device, but the run goes on through the host)."""
+        """The leading keys held by the host tier or the disk below it (and not on the device:
+        a block after a host hit may still be cached on the device, but the run goes on
+        through the host), at most as many as the host has unpinned slots: each is pinned
+        while it is loaded, a disk hit in a slot of its own."""
         if self.host is None:
             return ()
         run = []
-        for key in keys:
-            if key not in self.host or self.pool.lookup(key) is not None:
+        for key in keys[: self.host.num_unpinned_slots]:
+            if not self.host.holds(key) or self.pool.lookup(key) is not None:
                 break
             run.append(key)
         return tuple(run)
@@ -416,7 +423,11 @@ class KVCacheManager:
         if not keys:
             return []
         assert self.host is not None
-        self.host.pin(keys)
+        self.host.pin([key for key in keys if key in self.host])
+        for key in keys:
+            if key not in self.host:
+                promoted = self.host.promote(key)  # from the disk tier
+                assert promoted, "no host slot for a disk-tier hit"
         block_ids = self.pool.allocate(len(keys))
         for key, block_id in zip(keys, block_ids, strict=True):
             stored = self.pool.cache(block_id, key)
@@ -551,8 +562,8 @@ class KVCacheManager:
         kept, dropped = self.host.offload(block_id, key) if self.host else (False, [])
         if not kept:
             self._misses.record_removed(key)
-        for old in dropped:  # gone from the host; still on the device, it is no miss yet
-            if self.pool.lookup(old) is None:
+        for old in dropped:  # gone from the host; on the device or disk, it is no miss yet
+            if self.pool.lookup(old) is None and not self.host.holds(old):
                 self._misses.record_removed(old)
 
     def reset_prefix_cache(self) -> int:
@@ -638,4 +649,4 @@ class _EitherTier:
         self._host = host
 
     def __contains__(self, key: object) -> bool:
-        return key in self._device or (self._host is not None and key in self._host)
+        return key in self._device or (self._host is not None and self._host.holds(key))

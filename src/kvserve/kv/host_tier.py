@@ -16,12 +16,22 @@ block again costs no copy.  The runner makes a step's copies before its forward 
 offload before every load: a block evicted and reused as a load's destination in one step is
 saved first.  A slot read by a load in this step is *pinned* until the step's copies are taken,
 so that no offload of the same step can overwrite it first.
+
+With a disk tier below (kv/disk_tier.py, --kv-offloading-dir) an entry the host drops is not
+lost either: its slot is written to a file (*to_disk*, queued before the step's other copies,
+so the slot is read before an offload or a read reuses it), and a lookup that misses here but
+finds the key on disk *promotes* it: a host slot, pinned, is filled from the file (*from_disk*)
+and then loaded like any host hit.  A slot whose content is itself queued in this step (an
+offload's or a promotion's) is not written to disk when dropped in the same step: its bytes
+are not there yet.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvserve.kv.disk_tier import DiskTier
 
 
 @dataclass
@@ -33,20 +43,30 @@ class HostTierStats:
 
 @dataclass
 class HostTransfers:
-    """One step's copies, each (device block, host slot): offloads first, then loads."""
+    """One step's copies, in this order: to_disk (host slot, key), from_disk (key, host slot),
+    offloads (device block, host slot), loads (device block, host slot); then the files of
+    disk_deletes go."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
+    to_disk: list[tuple[int, bytes]] = field(default_factory=list)
+    from_disk: list[tuple[bytes, int]] = field(default_factory=list)
+    disk_deletes: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any((self.offloads, self.loads, self.to_disk, self.from_disk, self.disk_deletes))
 
 
 class HostTier:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, disk: DiskTier | None = None) -> None:
         if num_slots < 0:
             raise ValueError(f"a host tier needs >= 0 slots, got {num_slots}")
         self.num_slots = num_slots
+        self.disk = disk
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._pinned: set[int] = set()
+        self._fresh: set[int] = set()  # slots whose content is queued in this step
         self._transfers = HostTransfers()
         self.stats = HostTierStats()
 
@@ -57,6 +77,10 @@ class HostTier:
     @property
     def usage(self) -> float:
         return len(self._slot_of) / self.num_slots if self.num_slots else 0.0
+
+    @property
+    def num_unpinned_slots(self) -> int:
+        return self.num_slots - len(self._pinned)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -75,19 +99,57 @@ class HostTier:
         if slot is not None:
             self._slot_of.move_to_end(key)
             return True, []
-        dropped: list[bytes] = []
-        if not self._free_slots:
-            victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
-            if victim is None:
-                return False, []
-            self._free_slots.append(self._slot_of.pop(victim))
-            self.stats.num_dropped_blocks += 1
-            dropped.append(victim)
-        slot = self._free_slots.pop()
+        slot, dropped = self._take_slot()
+        if slot is None:
+            return False, []
         self._slot_of[key] = slot
         self._transfers.offloads.append((block_id, slot))
         self.stats.num_offloaded_blocks += 1
         return True, dropped
+
+    def _take_slot(self) -> tuple[int | None, list[bytes]]:
+        """A free slot, or the LRU unpinned entry's (dropped, to disk when there is one);
+        None when every slot is pinned.  The slot counts as fresh for the rest of the step."""
+        dropped: list[bytes] = []
+        if not self._free_slots:
+            victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
+            if victim is None:
+                return None, []
+            victim_slot = self._slot_of.pop(victim)
+            self._free_slots.append(victim_slot)
+            self.stats.num_dropped_blocks += 1
+            dropped.append(victim)
+            self._demote(victim, victim_slot)
+        slot = self._free_slots.pop()
+        self._fresh.add(slot)
+        return slot, dropped
+
+    def _demote(self, key: bytes, slot: int) -> None:
+        """A dropped entry goes to the disk tier (its slot written first this step), unless
+        its bytes are not in the slot yet (queued in this same step)."""
+        if self.disk is None or slot in self._fresh:
+            return
+        write, deleted = self.disk.store(key)
+        if write:
+            self._transfers.to_disk.append((slot, key))
+        self._transfers.disk_deletes.extend(deleted)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether this tier or the disk below has the key's content."""
+        return key in self._slot_of or (self.disk is not None and key in self.disk)
+
+    def promote(self, key: bytes) -> bool:
+        """Bring `key` from the disk tier into a host slot (pinned for this step), so that
+        `load` can fill a device block from it.  False when every slot is pinned."""
+        assert self.disk is not None and key in self.disk and key not in self._slot_of
+        slot, _ = self._take_slot()
+        if slot is None:
+            return False
+        self._slot_of[key] = slot
+        self._pinned.add(slot)
+        self._transfers.from_disk.append((key, slot))
+        self.disk.read(key)
+        return True
 
     def load(self, key: bytes, block_id: int) -> None:
         """Fill device block `block_id` from the slot of `key` (found by `lookup` in this
@@ -106,14 +168,21 @@ class HostTier:
         """The copies queued since the last call; unpins every slot."""
         transfers, self._transfers = self._transfers, HostTransfers()
         self._pinned.clear()
+        self._fresh.clear()
         return transfers
 
     def clear(self) -> list[bytes]:
-        """Forget every entry (a prefix cache reset); returns the keys, LRU first.  Copies
-        already queued still run (their slots are simply free afterwards)."""
+        """Forget every entry, the disk tier's too (a prefix cache reset: their files are
+        deleted); returns the keys, LRU first.  Copies already queued still run (their slots
+        are simply free afterwards)."""
         keys = list(self._slot_of)
         self._free_slots.extend(self._slot_of[k] for k in reversed(keys))
         self._slot_of.clear()
+        if self.disk is not None:
+            on_disk = self.disk.clear()
+            self._transfers.disk_deletes.extend(on_disk)
+            in_host = set(keys)
+            keys += [k for k in on_disk if k not in in_host]
         return keys
 
     def check_invariants(self) -> None:
