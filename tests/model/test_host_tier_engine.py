@@ -163,3 +163,29 @@ def test_a_step_failing_around_host_copies_forgets_both_tiers(tiny_dir):
 def test_the_host_tier_needs_prefix_caching(tiny_dir):
     with pytest.raises(ParameterError, match="--kv-offloading-size"):
         make(tiny_dir, HOST_GIB, enable_prefix_caching=False)
+
+
+def test_blocks_the_host_tier_drops_come_back_from_disk_and_after_a_restart(tiny_dir, tmp_path):
+    """A 5-block host tier over a disk tier: A's blocks go device -> host -> disk as B and C
+    pass; A again finds them on disk, bit for bit, and so does a new engine on the folder.
+    (A hit's run goes through at most the host's unpinned slots: 5 >= A's 4 blocks.)"""
+    C = [(i * 7727) % 40000 + 13 for i in range(150)]
+    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20)
+    llm = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
+    assert llm.engine.sizing.num_disk_blocks == 128
+    first, kv_first = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    generate(llm, "c", C, 8)
+    host = llm.engine.cache_manager.host
+    assert host.disk is not None and host.disk.stats.num_written_blocks >= 2
+    again, kv_again = generate(llm, "a2", A, 8)
+    stats = llm.engine.get_stats()
+    assert host.disk.stats.num_read_blocks == 4  # all of A's blocks came back from disk
+    assert stats.prefix_cache_host_hits == stats.prefix_cache_hits == 64
+    assert torch.equal(kv_again, kv_first) and again == first
+    llm.engine.executor.driver_worker.runner.disk_blocks.flush()
+    restarted = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
+    assert len(restarted.engine.cache_manager.host.disk) == host.disk.stats.num_written_blocks
+    third, kv_third = generate(restarted, "a3", A, 8)
+    assert restarted.engine.get_stats().prefix_cache_host_hits == 64  # all 4 blocks, from disk
+    assert torch.equal(kv_third, kv_first) and third == first

@@ -35,13 +35,14 @@ def test_a_dropped_host_entry_is_written_before_its_slot_is_reused_and_lru_files
     assert host.holds(b"k1") and not host.holds(b"k0") and b"k1" not in host
 
 
-def test_a_slot_filled_in_the_same_step_is_not_written_to_disk():
+def test_an_entry_dropped_in_the_step_that_offloaded_it_is_written_from_its_device_block():
     host = HostTier(1, DiskTier(4))
     host.offload(7, b"k0")
-    host.offload(3, b"k1")  # k0's bytes are not in slot 0 yet: dropped, not written
+    host.offload(3, b"k1")  # k0's bytes are not in slot 0 yet: its device block 7 has them
     moved = host.take_transfers()
-    assert moved.to_disk == [] and moved.offloads == [(7, 0), (3, 0)]
-    assert not host.holds(b"k0")
+    assert moved.device_to_disk == [(7, b"k0")] and moved.to_disk == []
+    assert moved.offloads == [(7, 0), (3, 0)]
+    assert host.holds(b"k0") and b"k0" not in host
 
 
 def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():

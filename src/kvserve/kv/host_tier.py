@@ -21,9 +21,9 @@ With a disk tier below (kv/disk_tier.py, --kv-offloading-dir) an entry the host 
 lost either: its slot is written to a file (*to_disk*, queued before the step's other copies,
 so the slot is read before an offload or a read reuses it), and a lookup that misses here but
 finds the key on disk *promotes* it: a host slot, pinned, is filled from the file (*from_disk*)
-and then loaded like any host hit.  A slot whose content is itself queued in this step (an
-offload's or a promotion's) is not written to disk when dropped in the same step: its bytes
-are not there yet.
+and then loaded like any host hit.  An entry dropped in the step that offloaded it has no
+bytes in its slot yet: its file is written from the device block instead (*device_to_disk*,
+which still holds them until the step's loads and forward pass).
 """
 
 from __future__ import annotations
@@ -43,18 +43,21 @@ class HostTierStats:
 
 @dataclass
 class HostTransfers:
-    """One step's copies, in this order: to_disk (host slot, key), from_disk (key, host slot),
+    """One step's copies, in this order: to_disk (host slot, key) and device_to_disk (device
+    block, key), from_disk (key, host slot),
     offloads (device block, host slot), loads (device block, host slot); then the files of
     disk_deletes go."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     to_disk: list[tuple[int, bytes]] = field(default_factory=list)
+    device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, key)
     from_disk: list[tuple[bytes, int]] = field(default_factory=list)
     disk_deletes: list[bytes] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return any((self.offloads, self.loads, self.to_disk, self.from_disk, self.disk_deletes))
+        return any((self.offloads, self.loads, self.to_disk, self.device_to_disk,
+                    self.from_disk, self.disk_deletes))  # fmt: skip
 
 
 class HostTier:
@@ -66,7 +69,8 @@ class HostTier:
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._pinned: set[int] = set()
-        self._fresh: set[int] = set()  # slots whose content is queued in this step
+        # Slots filled in this step: by the offload of a device block, or (None) from disk.
+        self._fresh: dict[int, int | None] = {}
         self._transfers = HostTransfers()
         self.stats = HostTierStats()
 
@@ -103,13 +107,14 @@ class HostTier:
         if slot is None:
             return False, []
         self._slot_of[key] = slot
+        self._fresh[slot] = block_id
         self._transfers.offloads.append((block_id, slot))
         self.stats.num_offloaded_blocks += 1
         return True, dropped
 
     def _take_slot(self) -> tuple[int | None, list[bytes]]:
         """A free slot, or the LRU unpinned entry's (dropped, to disk when there is one);
-        None when every slot is pinned.  The slot counts as fresh for the rest of the step."""
+        None when every slot is pinned."""
         dropped: list[bytes] = []
         if not self._free_slots:
             victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
@@ -120,17 +125,19 @@ class HostTier:
             self.stats.num_dropped_blocks += 1
             dropped.append(victim)
             self._demote(victim, victim_slot)
-        slot = self._free_slots.pop()
-        self._fresh.add(slot)
-        return slot, dropped
+        return self._free_slots.pop(), dropped
 
     def _demote(self, key: bytes, slot: int) -> None:
-        """A dropped entry goes to the disk tier (its slot written first this step), unless
-        its bytes are not in the slot yet (queued in this same step)."""
-        if self.disk is None or slot in self._fresh:
+        """A dropped entry goes to the disk tier: from its slot (written before the step's
+        other copies), or from the device block whose offload of this step was to fill it."""
+        if self.disk is None:
             return
         write, deleted = self.disk.store(key)
-        if write:
+        block_id = self._fresh.get(slot)
+        if write and block_id is not None:
+            self._transfers.device_to_disk.append((block_id, key))
+        elif write:
+            assert slot not in self._fresh, "a slot read from disk in this step was dropped"
             self._transfers.to_disk.append((slot, key))
         self._transfers.disk_deletes.extend(deleted)
 
@@ -147,6 +154,7 @@ class HostTier:
             return False
         self._slot_of[key] = slot
         self._pinned.add(slot)
+        self._fresh[slot] = None
         self._transfers.from_disk.append((key, slot))
         self.disk.read(key)
         return True

@@ -19,12 +19,14 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.runner.host_transfers import apply_host_transfers
 
 logger = logging.getLogger("kvserve")
 
@@ -54,6 +56,16 @@ def keys_in(directory: Path) -> list[bytes]:
     return [key for _, key in sorted(entries)]
 
 
+def _one_block_like(cache: LayerKVCache) -> LayerKVCache:
+    """A one-block cache of `cache`'s format (dtype, scales, layout)."""
+
+    def one(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros_like(t[:1])
+
+    return replace(cache, key=one(cache.key), value=one(cache.value),
+                   key_scale=one(cache.key_scale), value_scale=one(cache.value_scale))  # fmt: skip
+
+
 class DiskBlocks:
     """Writes, reads and deletes one server's block files; a writer thread does the I/O."""
 
@@ -62,6 +74,11 @@ class DiskBlocks:
         self.directory = directory
         self.rank = rank
         self.caches = list({id(c): c for c in host_caches}.values())  # each distinct once
+        # One block of the host tier's format per distinct cache, in the same per-layer order
+        # as the device caches (apply_host_transfers pairs them layer by layer).
+        scratch = {id(c): _one_block_like(c) for c in self.caches}
+        self._scratch = [scratch[id(c)] for c in host_caches]
+        self._scratch_distinct = [scratch[id(c)] for c in self.caches]
         self._pending: dict[bytes, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[bytes, dict[str, torch.Tensor] | None] | None] = (
@@ -75,14 +92,31 @@ class DiskBlocks:
         """Copy these host slots' rows now (the slots are reused in this step) and queue
         their files."""
         for slot, key in slots_and_keys:
-            tensors = {
-                f"{i}.{j}": table[slot].clone()
-                for i, cache in enumerate(self.caches)
-                for j, table in enumerate(cache.tensors)
-            }
-            with self._lock:
-                self._pending[key] = tensors
-            self._queue.put((key, tensors))
+            self._queue_write(key, self._snapshot(self.caches, slot))
+
+    @staticmethod
+    def _snapshot(caches: list[LayerKVCache], slot: int) -> dict[str, torch.Tensor]:
+        return {
+            f"{i}.{j}": table[slot].clone()
+            for i, cache in enumerate(caches)
+            for j, table in enumerate(cache.tensors)
+        }
+
+    def _queue_write(self, key: bytes, tensors: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._pending[key] = tensors
+        self._queue.put((key, tensors))
+
+    def write_from_device(
+        self, device_caches: list[LayerKVCache], blocks_and_keys: list[tuple[int, bytes]]
+    ) -> None:
+        """Queue the files of these device blocks, in the host tier's format (through a
+        one-block scratch slot of it): entries the host dropped in the step that offloaded
+        them, before their slot held them."""
+        for block_id, key in blocks_and_keys:
+            pairs = [(block_id, 0)]
+            apply_host_transfers(device_caches, self._scratch, to_host=pairs, from_host=[])
+            self._queue_write(key, self._snapshot(self._scratch_distinct, 0))
 
     def read(self, keys_and_slots: list[tuple[bytes, int]]) -> None:
         """Fill these host slots from their blocks' files (or the queue, not written yet)."""

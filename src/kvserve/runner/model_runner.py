@@ -248,12 +248,14 @@ class ModelRunner:
         """The tiers' copies, in the order kv/host_tier.py queued them: host slots to disk,
         disk to host slots, then the host tier's offloads and loads; deletions last."""
         disk = self.disk_blocks
+        if disk is None and output.has_disk_copies:
+            raise RuntimeError("the scheduler asked for disk-tier copies but there is no tier")
         if disk is not None and output.host_to_disk:
             disk.write(output.host_to_disk)
+        if disk is not None and output.device_to_disk:
+            disk.write_from_device(self.kv_caches, output.device_to_disk)
         if disk is not None and output.disk_to_host:
             disk.read(output.disk_to_host)
-        elif output.disk_to_host or output.host_to_disk:
-            raise RuntimeError("the scheduler asked for disk-tier copies but there is no tier")
         apply_host_transfers(
             self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
         )
