@@ -3,8 +3,8 @@ prompt, each turn resending its whole history, `--concurrency` conversations at 
 in-process engine.  Prints TTFT p50 of turns 2+ (wall time from a turn's arrival to its first
 token, queueing included) and the mean fraction of their prompts found cached, per config.
 
-    PYTHONPATH=src python benchmarks/multi_turn_tiers.py --conversations 16 --turns 4 \\
-        --kv-cache-mib 48 --offloading-gib 0.25
+    PYTHONPATH=src python benchmarks/multi_turn_tiers.py --conversations 8 --turns 3 \\
+        --answer-tokens 16 --kv-cache-mib 48 --configs off,none:0.05,int8:0.05,int8:0.02:disk
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -97,6 +98,20 @@ def run(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def tier_kwargs(config: str) -> dict[str, object]:
+    """off -> no tiers; int8:0.05 -> a 0.05 GiB int8 host tier; int8:0.02:disk -> and a disk
+    tier below it, in a new temporary folder."""
+    if config == "off":
+        return {}
+    compression, gib, *disk = config.split(":")
+    kw: dict[str, object] = {
+        "kv_offloading_size": float(gib), "kv_offloading_compression": compression,
+    }  # fmt: skip
+    if disk:
+        kw["kv_offloading_dir"] = tempfile.mkdtemp(prefix="kv-disk-tier-")
+    return kw
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--conversations", type=int, default=16)
@@ -106,20 +121,21 @@ def main() -> None:
     p.add_argument("--user-tokens", type=int, default=96)
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--kv-cache-mib", type=int, default=48)
-    p.add_argument("--offloading-gib", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=1088)
-    p.add_argument("--configs", default="off,none,int8")
+    p.add_argument(
+        "--configs",
+        default="off,none:0.05,int8:0.05,int8:0.02:disk",
+        help="comma-separated: off, or COMPRESSION:GIB[:disk] (a disk tier in a fresh folder)",
+    )
     args = p.parse_args()
     results = {}
     for config in args.configs.split(","):
-        kw = {} if config == "off" else {
-            "kv_offloading_size": args.offloading_gib, "kv_offloading_compression": config,
-        }  # fmt: skip
+        kw = tier_kwargs(config)
         llm = LLM(kv_cache_memory=args.kv_cache_mib * 2**20, max_model_len=args.max_model_len, **kw)
         t0 = time.perf_counter()
         results[config] = r = run(llm, args)
         print(
-            f"{config:5s}: TTFT p50 turns 2+ {r['ttft_p50_ms']:.0f} ms, cached fraction "
+            f"{config:18s}: TTFT p50 turns 2+ {r['ttft_p50_ms']:.0f} ms, cached fraction "
             f"{r['cached_fraction']:.3f}, host loads {r['loaded_blocks']}, "
             f"{time.perf_counter() - t0:.0f} s; {llm.engine.sizing.summary().split(';')[-1]}",
             flush=True,
