@@ -37,6 +37,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 KV_OFFLOADING_COMPRESSIONS = ("none", "int8")
+KV_OFFLOADING_BACKENDS = ("native",)
 # Lowest top-1 agreement of the quantized KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
 # 93.6%; bfloat16 compute 97.0%, 97.4%, 93.6%.  The 4-bit cache (int4: rotated, key offsets
@@ -176,6 +177,14 @@ class CacheConfig:
             metavar="GIB",
         ),
     )
+    kv_offloading_backend: str = field(
+        default="native",
+        metadata=_help(
+            "vLLM's flag: what moves blocks to the tiers. kvserve has its own (native) only; "
+            "vLLM's lmcache is not served.",
+            choices=KV_OFFLOADING_BACKENDS,
+        ),
+    )
     kv_offloading_compression: str | None = field(
         default=None,
         metadata=_help(
@@ -304,6 +313,11 @@ class CacheConfig:
             raise ParameterError("--kv-offloading-size", f"must be positive GiB, got {size}")
         if self.kv_offloading_dir_size <= 0:
             raise ParameterError("--kv-offloading-dir-size", "must be positive, e.g. 16GiB")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ParameterError(
+                "--kv-offloading-backend",
+                f"must be native (kvserve's own tiers), got {self.kv_offloading_backend!r}",
+            )
         compression = self.kv_offloading_compression
         if compression is not None and compression not in KV_OFFLOADING_COMPRESSIONS:
             raise ParameterError(

@@ -75,6 +75,10 @@ def test_the_disk_tier_needs_the_host_tier():
         CacheConfig(kv_offloading_dir="/tmp/x")
     with pytest.raises(ParameterError, match="--kv-offloading-dir-size must be positive"):
         CacheConfig(kv_offloading_size=1.0, kv_offloading_dir="/tmp/x", kv_offloading_dir_size=0)
+    with pytest.raises(ParameterError, match="--kv-offloading-backend must be native"):
+        CacheConfig(kv_offloading_size=1.0, kv_offloading_backend="lmcache")
+    with pytest.raises(ParameterError, match="--kv-offloading-compression must be one of"):
+        CacheConfig(kv_offloading_size=1.0, kv_offloading_compression="int4")
 
 
 def test_block_files_give_back_exactly_the_stored_bytes_and_a_restart_lists_them(tmp_path):
