@@ -10,6 +10,7 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ class PrefixCacheServices:
         if events is not None:
             from kvserve.engine.kv_events import ZmqEventPublisher
 
-            self.event_index = CacheIndex(config.block_size)
+            self.event_index = CacheIndex(config.block_size, threading.Lock())
             self.publisher = ZmqEventPublisher(events, self.event_index)
             self.publisher.start()
         self._num_dropped_event_batches = 0  # of a closed publisher

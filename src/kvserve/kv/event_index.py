@@ -16,8 +16,8 @@ depend on the state it finds (a store adds, a removal drops, a clear empties).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvserve.kv.events import AllBlocksCleared, BlockStored, KVEvent
 
@@ -32,13 +32,29 @@ class IndexEntry:
 UNKNOWN = IndexEntry(None, (), False)  # a block that no event announced yet
 
 
+class Lock(Protocol):
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> Any: ...
+
+
+class NoLock:
+    """One thread only (kv/ takes no thread's lock: the owner of threads passes one in)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 class CacheIndex:
     """medium -> block key -> IndexEntry, in the order the blocks were stored.  Every method
-    takes the lock: the publisher thread copies what the engine thread changes."""
+    holds `lock`: the engine passes a threading.Lock, since the publisher thread copies what
+    the engine thread changes."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lock: Lock | None = None) -> None:
         self.block_size = block_size
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else NoLock()
         self._media: dict[str, dict[bytes, IndexEntry]] = {}
 
     def store(self, medium: str, key: bytes, entry: IndexEntry) -> None:
