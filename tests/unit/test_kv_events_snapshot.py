@@ -15,7 +15,6 @@ from kv_requests import make_request
 from test_kv_events_publisher import (
     DECODER,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     ipc_config,
     subscribe,

@@ -256,8 +256,8 @@ def split_run(event: kv.BlockStored, num_blocks: int) -> tuple[kv.BlockStored, k
     hashes, tokens = event.block_hashes, event.token_ids
     num_tokens = num_blocks * event.block_size if tokens else 0
     head = replace(event, block_hashes=hashes[:num_blocks], token_ids=tokens[:num_tokens])
-    tail = replace(event, block_hashes=hashes[num_blocks:], parent_block_hash=hashes[num_blocks - 1],
-                   token_ids=tokens[num_tokens:])  # fmt: skip
+    tail = replace(event, block_hashes=hashes[num_blocks:], token_ids=tokens[num_tokens:],
+                   parent_block_hash=hashes[num_blocks - 1])  # fmt: skip
     return head, tail
 
 
