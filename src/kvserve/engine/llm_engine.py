@@ -74,6 +74,7 @@ def make_cache_manager(
             if cache.public_prefixes else ()
         ),
         enable_events=services.wants_events,
+        event_index=services.event_index,
         track_new_blocks=services.wants_new_blocks,
         num_host_blocks=sizing.num_host_blocks,
         report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
@@ -112,7 +113,7 @@ class LLMEngine:
             sched.allow_long_max_model_len,
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
-        self.services = PrefixCacheServices(self.config.cache, ex.device)  # a bad endpoint fails
+        self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
         ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
         self.cache_manager = make_cache_manager(self.config.cache, sizing, self.tokenizer,

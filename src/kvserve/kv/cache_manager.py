@@ -53,7 +53,8 @@ from typing import Protocol
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
-from kvserve.kv.events import KVEvent
+from kvserve.kv.event_index import CacheIndex
+from kvserve.kv.events import MEDIUM_CPU, MEDIUM_GPU, KVEvent
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,
@@ -144,6 +145,7 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         report_cross_salt_misses: bool = False,
         groups: Sequence[KVCacheGroup] = (),
+        event_index: CacheIndex | None = None,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -151,7 +153,8 @@ class KVCacheManager:
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
         nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
-        full attention)."""
+        full attention); `event_index` the index that events update (with events on; None: a
+        new one, `event_index` of this manager), which a subscriber's snapshot reads."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
@@ -164,7 +167,8 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
-        self._log = CacheLog(block_size, enable_events, track_new_blocks)
+        self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
+        self.event_index = self._log.index
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
 
     @property
@@ -422,6 +426,7 @@ class KVCacheManager:
             stored = self.pool.cache(block_id, key)
             assert stored, "a host-tier hit was cached on the device meanwhile"
             self.host.load(key, block_id)
+        self._log.copied(keys, MEDIUM_CPU, MEDIUM_GPU)
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
 
@@ -547,8 +552,13 @@ class KVCacheManager:
     def _on_evict(self, block_id: int, key: bytes) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
         when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
+        host = self.host
+        held = host is not None and key in host
+        kept, dropped = host.offload(block_id, key) if host is not None else (False, [])
+        self._log.removed(dropped, MEDIUM_CPU)
+        if kept and not held:
+            self._log.copied([key], MEDIUM_GPU, MEDIUM_CPU)  # announced there, then gone here
         self._log.evicted(key)
-        kept, dropped = self.host.offload(block_id, key) if self.host else (False, [])
         if not kept:
             self._misses.record_removed(key)
         for old in dropped:  # gone from the host; still on the device, it is no miss yet
@@ -559,13 +569,17 @@ class KVCacheManager:
         """Drop every cached block that no request holds (blocks in use stay cached); returns
         how many were dropped.  Later lookups of their content count as `evicted` misses."""
         dropped = self.pool.drop_free_cached()
+        host_keys = self.host.clear() if self.host is not None else []
         for key in dropped:
             self._misses.record_removed(key)
-        self._log.dropped(dropped, none_left=self.pool.num_cached_blocks == 0)
-        if self.host is not None:
-            for key in self.host.clear():
-                if self.pool.lookup(key) is None:
-                    self._misses.record_removed(key)
+        for key in host_keys:
+            if self.pool.lookup(key) is None:
+                self._misses.record_removed(key)
+        if self.pool.num_cached_blocks == 0 and (dropped or host_keys):
+            self._log.cleared()  # the host tier is emptied whole: no tier holds a block
+        else:
+            self._log.removed(dropped, MEDIUM_GPU)
+            self._log.removed(host_keys, MEDIUM_CPU)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:

@@ -58,6 +58,11 @@ class HostTier:
     def usage(self) -> float:
         return len(self._slot_of) / self.num_slots if self.num_slots else 0.0
 
+    @property
+    def keys(self) -> list[bytes]:
+        """The keys held, least recently used first."""
+        return list(self._slot_of)
+
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
 
