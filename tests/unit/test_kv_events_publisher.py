@@ -67,11 +67,12 @@ class KVEventBatch(EventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+TOPIC = b"kv"
 
 
 def ipc_config(tmp_path, **kw) -> KVEventsConfig:
     return KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay",
-                          topic="kv", **kw)  # fmt: skip
+                          topic=TOPIC.decode(), **kw)  # fmt: skip
 
 
 @pytest.fixture
@@ -107,7 +108,9 @@ def next_batch_after(sub: zmq.Socket, topic_seq: bytes):  # noqa: ANN201 - a KVE
 
 
 def replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
-    """[sequence, payload] of every answer to one replay request, the end marker included."""
+    """[sequence, payload] of every answer to one replay request, the end marker included.
+    Each answer is framed as vLLM 0.32's publisher frames it: an empty delimiter, the topic
+    (empty on the end marker), the sequence, the payload."""
     dealer = context.socket(zmq.DEALER)
     try:
         dealer.connect(endpoint)
@@ -115,7 +118,9 @@ def replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]
         frames = []
         while not frames or frames[-1][0] != END_SEQ:
             assert dealer.poll(5000), "the replay socket did not answer"
-            frames.append(dealer.recv_multipart()[1:])
+            delimiter, topic, seq, payload = dealer.recv_multipart()
+            assert delimiter == b"" and topic == (b"" if seq == END_SEQ else TOPIC)
+            frames.append([seq, payload])
         return frames
     finally:
         dealer.close(linger=0)

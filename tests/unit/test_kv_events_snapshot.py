@@ -64,7 +64,7 @@ def ask(context: zmq.Context, endpoint: str, request: bytes) -> list[tuple[int, 
         answers = []
         while True:
             assert dealer.poll(5000), "the replay socket did not answer"
-            _, seq, payload = dealer.recv_multipart()
+            _, _topic, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 return answers
             answers.append((int.from_bytes(seq, "big"), payload))

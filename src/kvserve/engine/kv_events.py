@@ -48,6 +48,15 @@ from kvserve.kv.event_index import CacheIndex
 logger = logging.getLogger("kvserve")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def end_of_replay(client: bytes) -> tuple[bytes, ...]:
+    """The frames that end an answer on the replay socket.  vLLM 0.32 frames a replayed batch
+    as the live ones (topic, sequence, payload) after the client's envelope, and the end as an
+    empty topic, the sequence -1 and an empty payload: its subscribers read both that way."""
+    return (client, b"", b"", END_SEQ, b"")
+
+
 MAX_REPLAY_REQUEST_BYTES = 64  # a request's frames: b"" and an 8-byte sequence number
 SNAPSHOT_REQUEST = b"snapshot"
 SNAPSHOT_BLOCKS_PER_BATCH = 1024  # ~16k tokens, ~70 KB of msgpack a payload
@@ -208,7 +217,7 @@ class ZmqEventPublisher:
         encoder, ts = msgspec.msgpack.Encoder(), time.time()
         for batch in snapshot_batches(events, self._replay_max_batches):
             payload = self._encode(encoder, ts, batch)
-            self._replay.send_multipart((client, b"", resume, payload))
+            self._replay.send_multipart((client, b"", self._topic, resume, payload))
 
     def _serve_replay(self) -> None:
         """Answer one replay request; a socket error is logged, never the end of the thread."""
@@ -221,12 +230,13 @@ class ZmqEventPublisher:
             client, _, start = frames
             if start == SNAPSHOT_REQUEST:
                 self._serve_snapshot(client)
-                self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart(end_of_replay(client))
                 return
             kept = self._buffer.since(int.from_bytes(start, "big"), self._replay_max_batches)
             for seq, payload in kept:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+                answer = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(answer)
+            self._replay.send_multipart(end_of_replay(client))
         except zmq.ZMQError:
             logger.exception("KV events: answering a replay request failed")
 
