@@ -46,7 +46,7 @@ def test_an_entry_dropped_in_the_step_that_offloaded_it_is_written_from_its_devi
 
 
 def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
-    cm = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=8)
+    cm = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=8, enable_events=True)
     run(cm, "a", A)
     cm.take_host_transfers()
     run(cm, "b", B)  # a's 2 blocks go to the host's 2 slots
@@ -55,6 +55,10 @@ def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
     moved = cm.take_host_transfers()
     a_keys = cm._full_block_keys(make_request(cm, "x", A))[:2]
     assert sorted(key for _, key in moved.to_disk) == sorted(a_keys)
+    # b's first two blocks, dropped in the step that offloaded them, from their device blocks
+    assert len(moved.device_to_disk) == 2
+    written = {key for _, key in moved.to_disk + moved.device_to_disk}
+    assert cm.event_index.keys("DISK") == written  # KV events announced them on DISK
     hit = cm.find_cached_prefix(make_request(cm, "a2", A))
     assert hit.num_tokens == 8 and hit.num_host_tokens == 8  # both from disk, via the host
     run(cm, "a2", A)
@@ -68,6 +72,9 @@ def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
     assert {slot for slot, _ in moved.to_disk} == set(read_slots)
     stats = cm.prefix_stats
     assert stats.host_hits == 8 and stats.misses["evicted"] == 0
+    assert set(a_keys) <= cm.event_index.keys("DISK") & cm.event_index.keys("GPU")
+    cm.reset_prefix_cache()
+    assert cm.event_index.keys("DISK") == set() and cm.take_host_transfers().disk_deletes
 
 
 def test_the_disk_tier_needs_the_host_tier():

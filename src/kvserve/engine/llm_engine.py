@@ -81,6 +81,7 @@ def make_cache_manager(
             if cache.public_prefixes else ()
         ),
         enable_events=services.wants_events,
+        event_index=services.event_index,
         track_new_blocks=services.wants_new_blocks,
         num_host_blocks=sizing.num_host_blocks,
         report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
@@ -121,7 +122,7 @@ class LLMEngine:
             sched.allow_long_max_model_len,
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
-        self.services = PrefixCacheServices(self.config.cache, ex.device)  # a bad endpoint fails
+        self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
         disk_dir = self._disk_tier_dir()
         ex.initialize_kv_caches(
             sizing.spec, sizing.num_blocks, sizing.num_host_blocks, sizing.host_dtype,

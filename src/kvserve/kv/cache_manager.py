@@ -54,7 +54,8 @@ from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.disk_tier import DiskTier
-from kvserve.kv.events import KVEvent
+from kvserve.kv.event_index import CacheIndex
+from kvserve.kv.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, KVEvent
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,
@@ -147,6 +148,7 @@ class KVCacheManager:
         groups: Sequence[KVCacheGroup] = (),
         num_disk_blocks: int = 0,
         disk_keys: Sequence[bytes] = (),
+        event_index: CacheIndex | None = None,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -154,8 +156,10 @@ class KVCacheManager:
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
         nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
-        full attention); `num_disk_blocks` the disk tier's capacity below the host tier
-        (--kv-offloading-dir; 0: none), `disk_keys` the keys its directory holds already."""
+        full attention); `event_index` the index that events update (with events on; None: a
+        new one, `event_index` of this manager), which a subscriber's snapshot reads;
+        `num_disk_blocks` the disk tier's capacity below the host tier (--kv-offloading-dir;
+        0: none), `disk_keys` the keys its directory holds already."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
@@ -168,7 +172,8 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
-        self._log = CacheLog(block_size, enable_events, track_new_blocks)
+        self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
+        self.event_index = self._log.index
         disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
         self.host = HostTier(num_host_blocks, disk) if num_host_blocks and enable_caching else None
 
@@ -426,15 +431,28 @@ class KVCacheManager:
         self.host.pin([key for key in keys if key in self.host])
         for key in keys:
             if key not in self.host:
-                promoted = self.host.promote(key)  # from the disk tier
-                assert promoted, "no host slot for a disk-tier hit"
+                self._promote(key)
         block_ids = self.pool.allocate(len(keys))
         for key, block_id in zip(keys, block_ids, strict=True):
             stored = self.pool.cache(block_id, key)
             assert stored, "a host-tier hit was cached on the device meanwhile"
             self.host.load(key, block_id)
+        self._log.copied(keys, MEDIUM_CPU, MEDIUM_GPU)
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
+
+    def _promote(self, key: bytes) -> None:
+        """A disk-tier hit into a host slot (pinned), with its events and the misses of what
+        it pushes out of the host tier."""
+        assert self.host is not None
+        dropped = self.host.promote(key)
+        assert dropped is not None, "no host slot for a disk-tier hit"
+        self._log_disk_changes()
+        self._log.removed(dropped, MEDIUM_CPU)
+        self._log.copied([key], MEDIUM_DISK, MEDIUM_CPU)
+        for old in dropped:
+            if self.pool.lookup(old) is None and not self.host.holds(old):
+                self._misses.record_removed(old)
 
     def _load_group_hits(self, cached: CachedPrefix, tables: list[list[int]]) -> list[int]:
         """_load_from_host for the groups' hits: each HOST_HIT entry of `tables` becomes a
@@ -558,25 +576,49 @@ class KVCacheManager:
     def _on_evict(self, block_id: int, key: bytes) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
         when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
+        host = self.host
+        held = host is not None and key in host
+        kept, dropped = host.offload(block_id, key) if host is not None else (False, [])
+        self._log_disk_changes()
+        self._log.removed(dropped, MEDIUM_CPU)
+        if kept and not held:
+            self._log.copied([key], MEDIUM_GPU, MEDIUM_CPU)  # announced there, then gone here
         self._log.evicted(key)
-        kept, dropped = self.host.offload(block_id, key) if self.host else (False, [])
         if not kept:
             self._misses.record_removed(key)
         for old in dropped:  # gone from the host; on the device or disk, it is no miss yet
             if self.pool.lookup(old) is None and not self.host.holds(old):
                 self._misses.record_removed(old)
 
+    def _log_disk_changes(self) -> None:
+        """KV events of the disk tier: blocks the host dropped there (announced as the host
+        held them), files its capacity deleted."""
+        if self.host is None or self.host.disk is None:
+            return
+        stored, deleted = self.host.take_disk_changes()
+        self._log.copied(stored, MEDIUM_CPU, MEDIUM_DISK)
+        self._log.removed(deleted, MEDIUM_DISK)
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no request holds (blocks in use stay cached); returns
         how many were dropped.  Later lookups of their content count as `evicted` misses."""
         dropped = self.pool.drop_free_cached()
+        host_keys = self.host.clear() if self.host is not None else []
+        disk_keys = self.host.clear_disk() if self.host is not None else []
+        for key in disk_keys:
+            if self.pool.lookup(key) is None and key not in host_keys:
+                self._misses.record_removed(key)
         for key in dropped:
             self._misses.record_removed(key)
-        self._log.dropped(dropped, none_left=self.pool.num_cached_blocks == 0)
-        if self.host is not None:
-            for key in self.host.clear():
-                if self.pool.lookup(key) is None:
-                    self._misses.record_removed(key)
+        for key in host_keys:
+            if self.pool.lookup(key) is None:
+                self._misses.record_removed(key)
+        if self.pool.num_cached_blocks == 0 and (dropped or host_keys or disk_keys):
+            self._log.cleared()  # the host tier is emptied whole: no tier holds a block
+        else:
+            self._log.removed(dropped, MEDIUM_GPU)
+            self._log.removed(host_keys, MEDIUM_CPU)
+            self._log.removed(disk_keys, MEDIUM_DISK)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:

@@ -72,6 +72,7 @@ class HostTier:
         # Slots filled in this step: by the offload of a device block, or (None) from disk.
         self._fresh: dict[int, int | None] = {}
         self._transfers = HostTransfers()
+        self._disk_changes: tuple[list[bytes], list[bytes]] = ([], [])  # (stored, deleted)
         self.stats = HostTierStats()
 
     @property
@@ -85,6 +86,11 @@ class HostTier:
     @property
     def num_unpinned_slots(self) -> int:
         return self.num_slots - len(self._pinned)
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The keys held, least recently used first."""
+        return list(self._slot_of)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -133,6 +139,9 @@ class HostTier:
         if self.disk is None:
             return
         write, deleted = self.disk.store(key)
+        if write:
+            self._disk_changes[0].append(key)
+        self._disk_changes[1].extend(deleted)
         block_id = self._fresh.get(slot)
         if write and block_id is not None:
             self._transfers.device_to_disk.append((block_id, key))
@@ -141,23 +150,30 @@ class HostTier:
             self._transfers.to_disk.append((slot, key))
         self._transfers.disk_deletes.extend(deleted)
 
+    def take_disk_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys the disk tier gained (dropped from here) and lost (its LRU files) since
+        the last call: what KV events announce with medium DISK."""
+        changes, self._disk_changes = self._disk_changes, ([], [])
+        return changes
+
     def holds(self, key: bytes) -> bool:
         """Whether this tier or the disk below has the key's content."""
         return key in self._slot_of or (self.disk is not None and key in self.disk)
 
-    def promote(self, key: bytes) -> bool:
+    def promote(self, key: bytes) -> list[bytes] | None:
         """Bring `key` from the disk tier into a host slot (pinned for this step), so that
-        `load` can fill a device block from it.  False when every slot is pinned."""
+        `load` can fill a device block from it.  Returns the keys dropped from here to make
+        room (to disk), None when every slot is pinned."""
         assert self.disk is not None and key in self.disk and key not in self._slot_of
-        slot, _ = self._take_slot()
+        slot, dropped = self._take_slot()
         if slot is None:
-            return False
+            return None
         self._slot_of[key] = slot
         self._pinned.add(slot)
         self._fresh[slot] = None
         self._transfers.from_disk.append((key, slot))
         self.disk.read(key)
-        return True
+        return dropped
 
     def load(self, key: bytes, block_id: int) -> None:
         """Fill device block `block_id` from the slot of `key` (found by `lookup` in this
@@ -180,18 +196,20 @@ class HostTier:
         return transfers
 
     def clear(self) -> list[bytes]:
-        """Forget every entry, the disk tier's too (a prefix cache reset: their files are
-        deleted); returns the keys, LRU first.  Copies already queued still run (their slots
-        are simply free afterwards)."""
+        """Forget every entry (a prefix cache reset); returns the keys, LRU first.  Copies
+        already queued still run (their slots are simply free afterwards)."""
         keys = list(self._slot_of)
         self._free_slots.extend(self._slot_of[k] for k in reversed(keys))
         self._slot_of.clear()
-        if self.disk is not None:
-            on_disk = self.disk.clear()
-            self._transfers.disk_deletes.extend(on_disk)
-            in_host = set(keys)
-            keys += [k for k in on_disk if k not in in_host]
         return keys
+
+    def clear_disk(self) -> list[bytes]:
+        """Forget the disk tier's entries too (their files are deleted); returns the keys."""
+        if self.disk is None:
+            return []
+        on_disk = self.disk.clear()
+        self._transfers.disk_deletes.extend(on_disk)
+        return on_disk
 
     def check_invariants(self) -> None:
         used = set(self._slot_of.values())
