@@ -90,10 +90,13 @@ def run(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
             if pending:
                 start(pending.pop(0))
     stats = engine.get_stats()
+    host = engine.cache_manager.host
+    disk = host.disk if host is not None else None
     return {
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
         "cached_fraction": statistics.mean(fractions),
         "loaded_blocks": stats.num_loaded_blocks,
+        "disk_reads": disk.stats.num_read_blocks if disk is not None else 0,
         "answers": answers,
     }
 
@@ -136,7 +139,8 @@ def main() -> None:
         results[config] = r = run(llm, args)
         print(
             f"{config:18s}: TTFT p50 turns 2+ {r['ttft_p50_ms']:.0f} ms, cached fraction "
-            f"{r['cached_fraction']:.3f}, host loads {r['loaded_blocks']}, "
+            f"{r['cached_fraction']:.3f}, host loads {r['loaded_blocks']} "
+            f"(disk reads {r['disk_reads']}), "
             f"{time.perf_counter() - t0:.0f} s; {llm.engine.sizing.summary().split(';')[-1]}",
             flush=True,
         )
