@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from kv_requests import make_request
 
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.eviction import ARCPolicy, PrioritizedEviction
 from kvserve.kv.host_tier import HostTier
 from kvserve.kv.pins import PinLimitError
-from kv_requests import make_request
 
 BLOCK = 4
 SYSTEM = list(range(1000, 1016))  # 4 blocks shared by every "chat" request

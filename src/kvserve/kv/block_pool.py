@@ -122,9 +122,7 @@ class BlockPool:
             if block.block_hash is None:
                 self._free_uncached[block_id] = None
             else:
-                self._free_cached.push(
-                    block_id, block.block_hash, block.reused, retention_priority
-                )
+                self._free_cached.push(block_id, block.block_hash, block.reused, retention_priority)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Register a full, referenced block under its content hash.  Returns False (and leaves

@@ -58,8 +58,8 @@ from typing import Protocol
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
-from kvserve.kv.eviction import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.events import KVEvent
+from kvserve.kv.eviction import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,
@@ -618,9 +618,7 @@ class KVCacheManager:
         KV dtype's store), so that missing them counts as `isolated`."""
         self._misses.record_foreign(contents, keys)
 
-    def free(
-        self, request_id: str, retention_priority: int = DEFAULT_RETENTION_PRIORITY
-    ) -> None:
+    def free(self, request_id: str, retention_priority: int = DEFAULT_RETENTION_PRIORITY) -> None:
         """Release the request's blocks (tail first, at its `retention_priority`: lower ones
         are evicted first) and forget its table."""
         tables = self._tables.pop(request_id, None)
