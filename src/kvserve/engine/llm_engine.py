@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from torch.profiler import record_function
 
-from kvserve.config import CacheConfig, EngineConfig
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, CacheConfig, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_store import fingerprint
@@ -39,7 +39,7 @@ from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.request import RequestStatus, SamplingParams
+from kvserve.request import RequestStatus, SamplingParams, check_priorities
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
@@ -78,6 +78,8 @@ def make_cache_manager(
         num_host_blocks=sizing.num_host_blocks,
         report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
         groups=sizing.spec.groups,
+        eviction=cache.prefix_cache_eviction,
+        max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
     )  # fmt: skip
 
 
@@ -173,14 +175,18 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> None:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit.
         Its cached blocks are shared only with requests of the same `cache_salt` (and the
-        public prefixes with every request)."""
+        public prefixes with every request); once freed they are evicted after those of a
+        lower `kv_retention_priority` (0-100).  `priority` is vLLM's (lower first)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
         params.check_against(vocab_size, self.config.limits)
+        check_priorities(priority, kv_retention_priority)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -190,7 +196,7 @@ class LLMEngine:
             self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = make_children(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                 cache_salt)  # fmt: skip
+                                 cache_salt, priority, kv_retention_priority)  # fmt: skip
         added = []
         try:
             for child in children:

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from kvserve.kv.eviction import DEFAULT_RETENTION_PRIORITY, PrioritizedEviction
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
+from kvserve.kv.eviction import PrioritizedEviction
 
 
 @dataclass

@@ -55,11 +55,11 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
 from kvserve.kv.events import KVEvent
-from kvserve.kv.eviction import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,

@@ -29,9 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple, Protocol
 
-EVICTION_POLICIES = ("lru", "arc")
-DEFAULT_RETENTION_PRIORITY = 35  # TensorRT-LLM's default; 0 evicts first, 100 last
-MAX_RETENTION_PRIORITY = 100
+from kvserve.config import PREFIX_CACHE_EVICTIONS
 
 
 class EvictionPolicy(Protocol):
@@ -150,12 +148,14 @@ class ARCPolicy:
 
 
 def make_policy(name: str, capacity: int) -> Callable[[], EvictionPolicy]:
-    """A factory of `name`'s policy (one of EVICTION_POLICIES) for a tier of `capacity`."""
+    """A factory of `name`'s policy (one of PREFIX_CACHE_EVICTIONS) for a tier of `capacity`."""
     if name == "lru":
         return LRUPolicy
     if name == "arc":
         return lambda: ARCPolicy(capacity)
-    raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {name!r}")
+    raise ValueError(
+        f"eviction policy must be one of {', '.join(PREFIX_CACHE_EVICTIONS)}, got {name!r}"
+    )
 
 
 class Victim(NamedTuple):

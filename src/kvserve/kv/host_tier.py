@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.kv.eviction import DEFAULT_RETENTION_PRIORITY, PrioritizedEviction
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
+from kvserve.kv.eviction import PrioritizedEviction
 
 
 @dataclass
