@@ -38,6 +38,7 @@ from kvserve.executor.abstract import Checkpoint
 from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
 from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.pins import Pin, PinLimitError
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.request import RequestStatus, SamplingParams, check_priorities
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
@@ -233,11 +234,45 @@ class LLMEngine:
             prefix_store_errors=self.services.num_store_errors,
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds (and the store on disk); how many."""
-        num_dropped = self.services.reset(self.cache_manager)
+    def reset_prefix_cache(self, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (and the store on disk); how many.
+        Pinned prefixes stay unless `include_pinned` (which unpins them first)."""
+        num_dropped = self.services.reset(self.cache_manager, include_pinned)
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
+
+    # ----------------------------------------------------------------- pinned prefixes
+    def check_pin_room(self, token_ids: list[int], cache_salt: str | None) -> None:
+        """ParameterError naming --max-pinned-prefix-fraction when pinning these tokens' full
+        blocks would pass the cap (checked before the prefix is computed)."""
+        cm = self.cache_manager
+        try:
+            cm.pins.check_room(cm.prefix_keys(token_ids, cache_salt))
+        except PinLimitError as exc:
+            raise self._pin_limit_error(exc) from None
+
+    def try_pin_prefix(
+        self, pin_id: str, token_ids: list[int], cache_salt: str | None
+    ) -> Pin | None:
+        """Pin the full blocks of `token_ids` (kv/pins.py); None when they are not all cached
+        (run the prompt, then try again).  ParameterError past the cap."""
+        try:
+            pin = self.cache_manager.try_pin_prefix(pin_id, token_ids, cache_salt)
+        except PinLimitError as exc:
+            raise self._pin_limit_error(exc) from None
+        if pin is not None:
+            logger.info("pinned prefix %s: %d tokens", pin_id, pin.num_tokens)
+        return pin
+
+    def _pin_limit_error(self, exc: PinLimitError) -> ParameterError:
+        fraction = self.config.cache.max_pinned_prefix_fraction
+        pins = self.cache_manager.pins
+        return ParameterError(
+            "--max-pinned-prefix-fraction",
+            f"({fraction}) caps pinned prefixes at {pins.max_blocks} blocks: this one needs "
+            f"{exc.num_new} more, {pins.num_pinned_blocks} are pinned; unpin a prefix or "
+            "raise the flag",
+        )
 
     def close(self) -> None:
         """Write the prefix cache store, stop the KV event publisher and the tensor-parallel
