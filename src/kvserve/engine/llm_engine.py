@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from torch.profiler import record_function
 
@@ -46,6 +46,16 @@ from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class PinnedPrefixes:
+    """GET /v1/prefix_cache/pins: the pins and what they hold."""
+
+    pins: list[Pin]
+    num_pinned_blocks: int
+    max_pinned_blocks: int
+    bytes_per_block: int
 
 
 class StepFailedError(RuntimeError):
@@ -247,7 +257,11 @@ class LLMEngine:
         blocks would pass the cap (checked before the prefix is computed)."""
         cm = self.cache_manager
         try:
-            cm.pins.check_room(cm.prefix_keys(token_ids, cache_salt))
+            keys = cm.prefix_keys(token_ids, cache_salt)
+        except ValueError as exc:  # caching off, or KV cache groups
+            raise ParameterError("prompt", f"cannot be pinned: {exc}") from None
+        try:
+            cm.pins.check_room(keys)
         except PinLimitError as exc:
             raise self._pin_limit_error(exc) from None
 
@@ -255,7 +269,9 @@ class LLMEngine:
         self, pin_id: str, token_ids: list[int], cache_salt: str | None
     ) -> Pin | None:
         """Pin the full blocks of `token_ids` (kv/pins.py); None when they are not all cached
-        (run the prompt, then try again).  ParameterError past the cap."""
+        (run the prompt, then try again).  ParameterError past the cap or for an id in use."""
+        if self.cache_manager.pins.get(pin_id) is not None:
+            raise ParameterError("id", f"{pin_id!r} is already in use by a pinned prefix")
         try:
             pin = self.cache_manager.try_pin_prefix(pin_id, token_ids, cache_salt)
         except PinLimitError as exc:
@@ -263,6 +279,16 @@ class LLMEngine:
         if pin is not None:
             logger.info("pinned prefix %s: %d tokens", pin_id, pin.num_tokens)
         return pin
+
+    def unpin_prefix(self, pin_id: str) -> Pin | None:
+        """Release a pin (its blocks stay cached, now evictable); None when unknown."""
+        return self.cache_manager.pins.unpin(pin_id)
+
+    def list_pins(self) -> PinnedPrefixes:
+        """Every pin, the distinct blocks they hold, the cap and the bytes of one block."""
+        pins = self.cache_manager.pins
+        return PinnedPrefixes(pins.list_pins(), pins.num_pinned_blocks, pins.max_blocks,
+                              self.sizing.spec.bytes_per_block)  # fmt: skip
 
     def _pin_limit_error(self, exc: PinLimitError) -> ParameterError:
         fraction = self.config.cache.max_pinned_prefix_fraction
