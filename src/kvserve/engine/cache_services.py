@@ -98,10 +98,11 @@ class PrefixCacheServices:
         if self.store is not None:
             self.store.maybe_save(cache_manager, PREFIX_CACHE_SAVE_INTERVAL_S)
 
-    def reset(self, cache_manager: KVCacheManager) -> int:
-        """Drop every cached block no request holds, in memory and on disk (the files are
-        deleted by the store's writer: this never waits for it)."""
-        num_dropped = cache_manager.reset_prefix_cache()
+    def reset(self, cache_manager: KVCacheManager, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (pinned ones too with `include_pinned`),
+        in memory and on disk (the files are deleted by the store's writer: this never waits
+        for it)."""
+        num_dropped = cache_manager.reset_prefix_cache(include_pinned)
         if self.store is not None:
             self.store.clear()
         self.after_step(cache_manager)  # publish the events now
