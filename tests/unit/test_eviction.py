@@ -116,15 +116,22 @@ def test_host_tier_keeps_reused_blocks_and_their_priority_when_it_must_drop():
     host.check_invariants()
 
 
+def pin_prefix(cm: KVCacheManager, pin_id: str, token_ids: list[int]):  # noqa: ANN201
+    """Pin `token_ids` as the engine does: hashed unsalted, then pinned by their hashes."""
+    hashes = cm.block_hasher.for_request(None)
+    hashes.extend(token_ids)
+    return cm.try_pin_prefix(pin_id, hashes)
+
+
 def pinned_manager(max_pinned_blocks: int = 4) -> KVCacheManager:
     return KVCacheManager(16, BLOCK, eviction="lru", max_pinned_blocks=max_pinned_blocks)
 
 
 def test_a_pinned_prefix_is_a_hit_after_a_flood_and_after_a_reset():
     cm = pinned_manager()
-    assert cm.try_pin_prefix("sys", SYSTEM, None) is None  # not cached yet: compute it first
+    assert pin_prefix(cm, "sys", SYSTEM) is None  # not cached yet: compute it first
     serve(cm, "compute", SYSTEM + [7])
-    pin = cm.try_pin_prefix("sys", SYSTEM, None)
+    pin = pin_prefix(cm, "sys", SYSTEM)
     assert pin is not None and pin.num_tokens == 16 and len(pin.block_ids) == 4
     assert cm.num_free_blocks == 12 and cm.pins.num_pinned_blocks == 4
     for i in range(4):  # 24 blocks of one-off prompts through the 12 others, LRU
@@ -141,14 +148,14 @@ def test_the_pin_cap_counts_distinct_blocks_and_unpin_frees_them():
     cm = pinned_manager(max_pinned_blocks=5)
     long_prefix = SYSTEM + list(range(2000, 2008))  # 6 blocks, SYSTEM's 4 first
     serve(cm, "compute", long_prefix + [9])
-    cm.try_pin_prefix("sys", SYSTEM, None)
+    pin_prefix(cm, "sys", SYSTEM)
     with pytest.raises(PinLimitError, match="needs 2 more blocks but 4 of at most 5"):
-        cm.try_pin_prefix("long", long_prefix, None)
+        pin_prefix(cm, "long", long_prefix)
     assert cm.pins.num_pinned_blocks == 4  # the refused pin held nothing
-    again = cm.try_pin_prefix("again", SYSTEM[:8], None)  # its 2 blocks are pinned already
+    again = pin_prefix(cm, "again", SYSTEM[:8])  # its 2 blocks are pinned already
     assert again is not None and cm.pins.num_pinned_blocks == 4
     with pytest.raises(ValueError, match="already in use"):
-        cm.try_pin_prefix("sys", SYSTEM, None)
+        pin_prefix(cm, "sys", SYSTEM)
     assert cm.pins.unpin("sys") is not None and cm.pins.num_pinned_blocks == 2
     assert cm.pins.unpin("sys") is None
     cm.check_invariants()

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from kvserve.config import DEFAULT_RETENTION_PRIORITY, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
-from kvserve.engine.prefix_pins import PrefixPins
+from kvserve.engine.prefix_pins import PrefixPinning
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sizing import (
@@ -94,7 +94,7 @@ class LLMEngine:
         ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
         self.cache_manager = self.services.make_cache_manager(sizing, self.tokenizer)
-        self.pins = PrefixPins(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
+        self.pins = PrefixPinning(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
                                sizing.spec.bytes_per_block)  # fmt: skip
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,

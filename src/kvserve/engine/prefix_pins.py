@@ -12,10 +12,11 @@ import logging
 from dataclasses import dataclass
 
 from kvserve.errors import ParameterError
+from kvserve.kv.block_hasher import BlockHashes
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.pins import Pin, PinLimitError
 
-__all__ = ["Pin", "PinnedPrefixes", "PrefixPins"]  # Pin: the server reads it through here
+__all__ = ["Pin", "PinnedPrefixes", "PrefixPinning"]  # Pin: the server reads it through here
 
 logger = logging.getLogger("kvserve")
 
@@ -30,7 +31,7 @@ class PinnedPrefixes:
     bytes_per_block: int
 
 
-class PrefixPins:
+class PrefixPinning:
     def __init__(self, cache_manager: KVCacheManager, fraction: float, bytes_per_block: int):
         """`fraction`: --max-pinned-prefix-fraction, named in the cap's error."""
         self.cache_manager = cache_manager
@@ -42,7 +43,7 @@ class PrefixPins:
         blocks would pass the cap (checked before the prefix is computed)."""
         cm = self.cache_manager
         try:
-            keys = cm.prefix_keys(token_ids, cache_salt)
+            keys = cm.pinnable_keys(self._hashes(token_ids, cache_salt))
         except ValueError as exc:  # caching off, or KV cache groups
             raise ParameterError("prompt", f"cannot be pinned: {exc}") from None
         try:
@@ -56,12 +57,19 @@ class PrefixPins:
         if self.cache_manager.pins.get(pin_id) is not None:
             raise ParameterError("id", f"{pin_id!r} is already in use by a pinned prefix")
         try:
-            pin = self.cache_manager.try_pin_prefix(pin_id, token_ids, cache_salt)
+            hashes = self._hashes(token_ids, cache_salt)
+            pin = self.cache_manager.try_pin_prefix(pin_id, hashes)
         except PinLimitError as exc:
             raise self._limit_error(exc) from None
         if pin is not None:
             logger.info("pinned prefix %s: %d tokens", pin_id, pin.num_tokens)
         return pin
+
+    def _hashes(self, token_ids: list[int], cache_salt: str | None) -> BlockHashes:
+        """The prefix's block hashes, its salt read once here as a request's is."""
+        hashes = self.cache_manager.block_hasher.for_request(cache_salt)
+        hashes.extend(token_ids)
+        return hashes
 
     def unpin(self, pin_id: str) -> Pin | None:
         """Release a pin (its blocks stay cached, now evictable); None when unknown."""

@@ -640,23 +640,19 @@ class KVCacheManager:
         for table in tables or ():
             self.pool.free((b for b in reversed(table) if b != NULL_BLOCK), retention_priority)
 
-    def prefix_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        """The keys of the full blocks of `token_ids` under `cache_salt` (what a request
-        with these tokens would look up).  ValueError with caching off or several groups."""
+    def pinnable_keys(self, hashes: BlockHashes) -> list[bytes]:
+        """The keys of the full blocks that `hashes` (block_hasher.for_request, extended with
+        a prefix's tokens) cover: what a request with those tokens would look up.  ValueError
+        with caching off or several groups."""
         if not self.enable_caching or not self._one_full_group:
             raise ValueError("pinning needs prefix caching and one full-attention KV group")
-        hashes = self.block_hasher.for_request(cache_salt)
-        hashes.extend(token_ids)
         return list(hashes.keys)
 
-    def try_pin_prefix(
-        self, pin_id: str, token_ids: Sequence[int], cache_salt: str | None
-    ) -> Pin | None:
-        """Pin the cached full blocks of `token_ids` (kv/pins.py); None when some are not
-        cached on the device (compute the prefix, then try again).  PinLimitError past the
-        cap, ValueError for an id in use or a cache that cannot pin."""
-        keys = self.prefix_keys(token_ids, cache_salt)
-        return self.pins.try_pin(pin_id, keys, self.block_size)
+    def try_pin_prefix(self, pin_id: str, hashes: BlockHashes) -> Pin | None:
+        """Pin the cached full blocks that `hashes` cover (kv/pins.py); None when some are
+        not cached on the device (compute the prefix, then try again).  PinLimitError past
+        the cap, ValueError for an id in use or a cache that cannot pin."""
+        return self.pins.try_pin(pin_id, self.pinnable_keys(hashes), self.block_size)
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request holds, every group's."""
