@@ -170,6 +170,7 @@ class Request:
     stop_reason: int | str | None = None
     fork_of: str | None = None  # a sibling whose prompt blocks this request will share
     cache_salt: str | None = None  # its blocks are shared only with requests of this salt
+    priority: int = 0  # --scheduling-policy priority: lower first (vLLM's field)
     # its full blocks' keys, salted: made by hash_blocks_with (the scheduler, on add_request)
     block_hashes: BlockHashes | None = field(default=None, repr=False)
 

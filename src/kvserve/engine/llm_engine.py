@@ -26,6 +26,7 @@ from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
     KVCacheSizing,
     refuse_features_of_groups,
@@ -120,6 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
+            WaitingOrder(sched.scheduling_policy, sched.scheduling_max_wait_s),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
@@ -173,10 +175,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit.
         Its cached blocks are shared only with requests of the same `cache_salt` (and the
-        public prefixes with every request)."""
+        public prefixes with every request); `priority` orders it under --scheduling-policy
+        priority (ParameterError under another policy unless 0)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
@@ -190,7 +194,7 @@ class LLMEngine:
             self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = make_children(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                 cache_salt)  # fmt: skip
+                                 cache_salt, priority)  # fmt: skip
         added = []
         try:
             for child in children:

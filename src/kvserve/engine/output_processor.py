@@ -76,6 +76,7 @@ def make_children(
     eos_token_ids: frozenset[int],
     arrival_time: float,
     cache_salt: str | None,
+    priority: int = 0,
 ) -> list[Request]:
     """The sequences of one user request: itself for n == 1, else n children `id-i`, child i
     sampling with seed + i (reproducible per sample), the later ones forks of the first."""
@@ -91,6 +92,7 @@ def make_children(
             arrival_time=arrival_time,
             fork_of=child_ids[0] if i else None,
             cache_salt=cache_salt,
+            priority=priority,
         )
         for i, child_id in enumerate(child_ids)
     ]

@@ -44,6 +44,9 @@ class SamplingRequest(BaseModel):
     # vLLM's: the request's cached blocks are shared only with requests of the same salt
     # (blocks inside a --public-prefixes prefix with every request)
     cache_salt: str | None = None
+    # vLLM's: the admission order under --scheduling-policy priority (lower first); any other
+    # policy refuses a value other than 0 (400)
+    priority: int = 0
     # Constrained decoding (server/structured_fields.py): at most one of them
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's

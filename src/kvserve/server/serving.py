@@ -117,6 +117,7 @@ class ServingContext:
         token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Add a validated request; its outputs feed the latency metrics as they are read.
         Its grammar, if any, is compiled and validated first, on a tokenizer thread."""
@@ -126,8 +127,9 @@ class ServingContext:
         tracker = self.metrics.start_request()
         try:
             return await self.async_llm.add_request(
-                request_id, token_ids, params, on_output=tracker.observe, cache_salt=cache_salt
-            )
+                request_id, token_ids, params, on_output=tracker.observe, cache_salt=cache_salt,
+                priority=priority,
+            )  # fmt: skip
         except ParameterError as exc:  # what only the engine knows; validation catches the rest
             raise APIError(str(exc), exc.param) from None
         except QueueFullError as exc:
@@ -141,14 +143,17 @@ class ServingContext:
         prompts: list[list[int]],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Start one request per prompt (ids "<id>-<i>"); all or none."""
         if len(prompts) == 1:
-            return [await self.start(request_id, prompts[0], params, cache_salt)]
+            return [await self.start(request_id, prompts[0], params, cache_salt, priority)]
         streams: list[RequestStream] = []
         try:
             for i, token_ids in enumerate(prompts):
-                streams.append(await self.start(f"{request_id}-{i}", token_ids, params, cache_salt))
+                streams.append(
+                    await self.start(f"{request_id}-{i}", token_ids, params, cache_salt, priority)
+                )
         except BaseException:
             for stream in streams:
                 stream.close()

@@ -61,7 +61,7 @@ class CompletionsHandler(Handler):
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
         request_id = new_id("cmpl")
         streams = await ctx.start_all(
-            request_id, [p.token_ids for p in prompts], params, cache_salt
+            request_id, [p.token_ids for p in prompts], params, cache_salt, body.priority
         )
         if body.stream:
             events = self._stream(request_id, body, prompts, params, streams)
