@@ -46,6 +46,7 @@ class FakeEngine:
         prompt: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self._touch()
         if not prompt:
