@@ -56,8 +56,9 @@ def timed_schedule(engine: LLMEngine) -> list[float]:
 
 
 def run_once(policy: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    max_model_len = args.prefix_len + args.suffix_len + args.output_len + 16
     llm = LLM(
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.prefix_len + args.suffix_len + args.output_len + 16,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=max_model_len,
         dtype="float32", scheduling_policy=policy, max_num_seqs=args.max_num_seqs,
         scheduling_max_wait_s=args.max_wait_s,
     )  # fmt: skip
