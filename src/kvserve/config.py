@@ -393,6 +393,11 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ParameterError(
+                "--scheduling-policy",
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
+            )
         if self.scheduling_max_wait_s <= 0:
             raise ParameterError("--scheduling-max-wait-s", "must be positive (seconds)")
         if self.max_num_seqs <= 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from fake_runner import FakeRunner
 
+from kvserve.config import SchedulerConfig
 from kvserve.engine import scheduling_policy
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduling_policy import WaitingOrder
@@ -166,3 +167,8 @@ def test_duplicates_of_an_uncached_prefix_compute_it_once(policy, budget):
     if budget == 64:
         assert steps[0] == [("first", 22), ("second", 6), ("other", 10)]
     s.cache_manager.check_invariants()
+
+
+def test_an_unknown_policy_is_refused_naming_the_flag():
+    with pytest.raises(ParameterError, match="--scheduling-policy must be one of fcfs, priority"):
+        SchedulerConfig(scheduling_policy="sjf")
