@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS queues, a token budget per step, chunked prefill, preemption.
+"""Continuous batching: a token budget per step, chunked prefill, preemption, an admission
+policy (fcfs, priority, lpm).
 
 There are no prefill and decode phases.  Each request simply needs
 ``num_tokens - num_computed_tokens`` more tokens computed (a prompt many, a decode one, a
@@ -7,12 +8,12 @@ preempted request all of them again); each step hands out `max_num_batched_token
 1. running requests, decodes first, then unfinished prefills (a chunk of what the budget
    allows).  When the cache manager has no block for one, the most recently admitted running
    request not yet scheduled this step (under the priority policy: the one with the highest
-   (priority, arrival)) is preempted by recompute: its blocks are freed (full
-   ones stay in the prefix cache), it goes back to the front of the waiting queue.
-2. then waiting requests, in the order of --scheduling-policy (scheduling_policy.py: fcfs,
-   priority, lpm), while budget, `max_num_seqs` and blocks last (the first that does not
-   fit stops admission, so none is overtaken for ever); each first takes its longest cached
-   prefix for free.  Admission keeps a growth reserve
+   (priority, arrival)) is preempted by recompute: its blocks are freed (full ones stay in
+   the prefix cache), it goes back to the front of the waiting queue.
+2. then waiting requests, in the order of --scheduling-policy (scheduling_policy.py;
+   docs/decisions/scheduling-policy.md), while budget, `max_num_seqs` and blocks last (the
+   first that does not fit stops admission, so none is overtaken for ever); each first takes
+   its longest cached prefix for free.  Admission keeps a growth reserve
    free: a fraction of the blocks that the running requests (and the new one) may still
    need to reach prompt + max_tokens.  The fraction starts at 0 (admit while blocks last, as
    vLLM does), rises by GROWTH_RESERVE_STEP with every preemption and decays by

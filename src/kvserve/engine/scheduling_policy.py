@@ -20,6 +20,7 @@ Duplicate prefills of one uncached prefix need no rule here: requests admitted i
 read the blocks another computes in that step (KVCacheManager.extend_with_in_flight), and a
 running prefill is given all it needs (or the whole budget) before anything is admitted, so a
 request admitted later finds the prefix cached or in flight (test_scheduling_policy.py).
+Why fcfs is the default, and the measurement: docs/decisions/scheduling-policy.md.
 """
 
 from __future__ import annotations
