@@ -36,6 +36,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # The MLP gate activations the model runs (Hugging Face's names): SiLU, and Gemma's tanh GELU.
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
+PREFIX_CACHE_EVICTIONS = ("arc", "lru")  # kv/eviction.py
+# A request's kv_retention_priority (TensorRT-LLM's range and default): 0 is evicted first
+DEFAULT_RETENTION_PRIORITY = 35
+MAX_RETENTION_PRIORITY = 100
 # Lowest top-1 agreement of the quantized KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
 # 93.6%; bfloat16 compute 97.0%, 97.4%, 93.6%.  The 4-bit cache (int4: rotated, key offsets
@@ -222,6 +226,24 @@ class CacheConfig:
             parse="size",
         ),
     )
+    prefix_cache_eviction: str = field(
+        default="arc",
+        metadata=_help(
+            "Which cached blocks the KV cache and the host tier evict first: arc (Adaptive "
+            "Replacement Cache: blocks reused since they were cached outlive one-off ones, so "
+            "a burst of long one-off prompts cannot flush a shared system prompt) or lru. "
+            "Within either, a request's kv_retention_priority orders eviction (lowest first).",
+            choices=PREFIX_CACHE_EVICTIONS,
+        ),
+    )
+    max_pinned_prefix_fraction: float = field(
+        default=0.25,
+        metadata=_help(
+            "Largest fraction (0-1) of the KV cache's blocks that pinned prefixes "
+            "(POST /v1/prefix_cache/pin) may hold together; past it a pin gets HTTP 400. "
+            "0 turns pinning off."
+        ),
+    )
     kv_cache_dtype_check: str = field(
         default="refuse",
         metadata=_help(
@@ -282,6 +304,15 @@ class CacheConfig:
             )
         if not 0.0 <= self.kv_cache_dtype_check_min_agreement <= 1.0:
             raise ParameterError("--kv-cache-dtype-check-min-agreement", "must be in [0, 1]")
+        if self.prefix_cache_eviction not in PREFIX_CACHE_EVICTIONS:
+            raise ParameterError(
+                "--prefix-cache-eviction", f"must be one of {', '.join(PREFIX_CACHE_EVICTIONS)}"
+            )
+        if not 0.0 <= self.max_pinned_prefix_fraction <= 1.0:
+            raise ParameterError(
+                "--max-pinned-prefix-fraction",
+                f"must be in [0, 1], got {self.max_pinned_prefix_fraction}",
+            )
         self.kv_events  # noqa: B018 - parses the JSON: a bad value fails at start-up
 
     @property

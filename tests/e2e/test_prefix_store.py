@@ -233,7 +233,7 @@ def test_kv_events_reach_a_zmq_subscriber(http, server_a, subscriber):
 
     stored = next(e for e in receive(subscriber, ours) if ours(e))
     assert len(stored.block_hashes) == 2 and stored.parent_block_hash is None
-    assert stored.block_size == BLOCK and stored.lora_id is None and stored.medium == "CPU"
+    assert stored.block_size == BLOCK and stored.lora_id is None and stored.medium == "GPU"
     assert stored.extra_keys == [None, None] and stored.group_idx == 0
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in stored.block_hashes)
     completion(http, prompt, "tenant-e")  # the same blocks under a salt: no token ids

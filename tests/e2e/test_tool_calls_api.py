@@ -2,13 +2,13 @@
 field, a conversation holding an assistant `tool_calls` message and a `tool` message, `auto`
 (greedy: the embedded model copies a call it is shown) streamed and not, reassembled by the
 client's own stream helper to the same call; `tool_choice: "required"` and a named function
-give calls whose arguments validate against the schema (these need constrained decoding,
-kvserve.structured, and are skipped without it)."""
+give calls whose arguments validate against the schema (constrained decoding)."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 WEATHER = {
@@ -168,13 +168,7 @@ def test_auto_without_a_call_is_a_plain_answer(client, model):
 
 
 # ---------------------------------------------------------------------- forced calls
-@pytest.fixture
-def structured():
-    return pytest.importorskip("kvserve.structured", reason="constrained decoding not built yet")
-
-
 def check_calls(message, allowed):
-    jsonschema = pytest.importorskip("jsonschema")
     assert message.tool_calls
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for call in message.tool_calls:
@@ -182,7 +176,7 @@ def check_calls(message, allowed):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def test_required_gives_a_call_that_fits_its_schema(client, model, structured):
+def test_required_gives_a_call_that_fits_its_schema(client, model):
     # parallel_tool_calls false: one call, so it ends (the grammar of several calls is
     # tests/unit/test_tool_calls.py's)
     single = create(client, model, ASK, tools=TOOLS, tool_choice="required",
@@ -193,7 +187,7 @@ def test_required_gives_a_call_that_fits_its_schema(client, model, structured):
     assert choice.message.content is None
 
 
-def test_a_named_function_is_called_streamed_and_not(client, model, structured):
+def test_a_named_function_is_called_streamed_and_not(client, model):
     choice = {"type": "function", "function": {"name": "get_time"}}
     response = create(client, model, ASK_TIME, tools=TOOLS, tool_choice=choice, max_tokens=32)
     check_calls(response.choices[0].message, {"get_time"})

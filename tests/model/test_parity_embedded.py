@@ -22,7 +22,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model():
-    pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     path = embedded_model_path()

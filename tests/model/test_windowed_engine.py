@@ -20,7 +20,7 @@ def make_llm(directory, **kwargs) -> LLM:
 
 
 @pytest.mark.parametrize("backend", ["cpu-paged", "flex"])
-@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen3"])
 def test_every_backend_gives_transformers_tokens_in_chunks(tiny, reference, arch, backend):
     """A 200-token prompt in 48-token chunks (chunks after cached context, past the window),
     then 64 decodes: each group's tables, the window's freed blocks and the backend's window
@@ -28,7 +28,7 @@ def test_every_backend_gives_transformers_tokens_in_chunks(tiny, reference, arch
     directory, _ = tiny(arch)
     llm = make_llm(directory, attention_backend=backend, max_num_batched_tokens=48)
     groups = llm.engine.sizing.spec.groups
-    assert len(groups) == (6 if arch == "gemma3" else 1)
+    assert len(groups) == {"gemma3": 6, "mistral": 1, "qwen3": 2}[arch]
     assert all(g.window == WINDOW for g in groups[1:])
     assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == reference(arch)
     llm.engine.cache_manager.check_invariants()

@@ -47,6 +47,7 @@ class FakeEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_retention_priority: int = 35,
     ) -> None:
         self._touch()
         if not prompt:

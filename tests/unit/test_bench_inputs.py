@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -11,6 +12,14 @@ from kvserve.bench.cli import add_bench_parser, config_from_args
 from kvserve.bench.client import RequestSpec, request_body
 from kvserve.bench.config import BenchConfig, DatasetConfig
 from kvserve.bench.datasets import SampleRequest, as_text, sample_requests
+from kvserve.bench.metrics import RequestRecord
+from kvserve.bench.multi_turn import (
+    Conversation,
+    conversations,
+    run_conversations,
+    turn_messages,
+    turn_summary,
+)
 from kvserve.bench.scrape import metrics_url, parse_metrics, to_sample, with_hit_rates
 
 
@@ -246,3 +255,62 @@ def test_hit_rate_counts_only_this_run() -> None:
 def test_metrics_url() -> None:
     assert metrics_url("http://127.0.0.1:8000") == "http://127.0.0.1:8000/metrics"
     assert metrics_url("https://h:9/v1/") == "https://h:9/metrics"
+
+
+def multi_turn_config() -> DatasetConfig:
+    return DatasetConfig(dataset_name="multi-turn", num_prompts=3, num_turns=3,
+                         system_prompt_len=20, turn_input_len=5, turn_output_len=4)  # fmt: skip
+
+
+def test_multi_turn_conversations_share_one_system_prompt_of_exact_length() -> None:
+    chats = conversations(multi_turn_config(), CharTokenizer())
+    assert len(chats) == 3 and len({c.system for c in chats}) == 1 and len(chats[0].system) == 20
+    assert all(len(c.user_turns) == 3 and {len(u) for u in c.user_turns} == {5} for c in chats)
+    assert len({u for c in chats for u in c.user_turns}) == 9  # every user turn new
+    assert conversations(multi_turn_config(), CharTokenizer()) == chats  # the seed decides
+
+
+def test_each_turn_resends_the_whole_history_and_conversations_interleave(monkeypatch) -> None:
+    chat = Conversation("SYS", ("u0", "u1", "u2"))
+    assert turn_messages(chat, ["a0", "a1"]) == [
+        {"role": "system", "content": "SYS"},
+        {"role": "user", "content": "u0"}, {"role": "assistant", "content": "a0"},
+        {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+    ]  # fmt: skip
+    sent: list[tuple[str, list[dict[str, str]]]] = []
+
+    async def fake_send(session, spec, sample, t0, count_tokens):  # noqa: ANN001, ANN202
+        conversation = sample.messages[0]["content"]
+        sent.append((conversation, sample.messages))
+        assert request_body(spec, sample)["messages"] is sample.messages
+        await asyncio.sleep(0)  # let the other conversations run
+        answer = f"{conversation}-a{(len(sample.messages) - 2) // 2}"  # a<turn>
+        return RequestRecord(5, 4, success=True, generated_text=answer, input_len=10)
+
+    monkeypatch.setattr("kvserve.bench.multi_turn.send_request", fake_send)
+    chats = [Conversation(name, ("u0", "u1", "u2")) for name in ("A", "B", "C")]
+    spec = RequestSpec("http://x/v1/chat/completions", "m", "openai-chat")
+    records = asyncio.run(run_conversations(None, spec, multi_turn_config(), chats, 2, 0.0))
+    assert [r.turn for r in records] == [0, 1, 2] * 3
+    assert [c for c, _ in sent] == ["A", "B", "A", "B", "A", "B", "C", "C", "C"]  # 2 at a time
+    last_of_a = [m for c, m in sent if c == "A"][-1]
+    assert [m["content"] for m in last_of_a] == ["A", "u0", "A-a0", "u1", "A-a1", "u2"]
+
+
+def test_turn_summary_splits_turn_one_from_the_rest() -> None:
+    def record(turn: int, ttft_ms: float, cached: int) -> RequestRecord:
+        return RequestRecord(10, 4, success=True, input_len=100, ttft=ttft_ms / 1000,
+                             cached_tokens=cached, turn=turn)  # fmt: skip
+
+    rows = turn_summary([record(0, 100, 0), record(0, 300, 50), record(1, 10, 80),
+                         record(2, 20, 90), record(1, 30, 70)])  # fmt: skip
+    assert rows["turn 1"] == pytest.approx({"count": 2, "ttft_p50_ms": 200, "ttft_p90_ms": 280,
+                                            "mean_cached_fraction": 0.25})  # fmt: skip
+    assert rows["turns 2+"] == pytest.approx({"count": 3, "ttft_p50_ms": 20, "ttft_p90_ms": 28,
+                                              "mean_cached_fraction": 0.8})  # fmt: skip
+
+
+def test_multi_turn_needs_the_chat_backend() -> None:
+    with pytest.raises(ValueError, match="--backend"):
+        BenchConfig(dataset=multi_turn_config())

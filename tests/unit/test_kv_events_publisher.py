@@ -67,11 +67,12 @@ class KVEventBatch(EventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+TOPIC = b"kv"
 
 
 def ipc_config(tmp_path, **kw) -> KVEventsConfig:
     return KVEventsConfig(True, "zmq", f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay",
-                          topic="kv", **kw)  # fmt: skip
+                          topic=TOPIC.decode(), **kw)  # fmt: skip
 
 
 @pytest.fixture
@@ -107,7 +108,9 @@ def next_batch_after(sub: zmq.Socket, topic_seq: bytes):  # noqa: ANN201 - a KVE
 
 
 def replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
-    """[sequence, payload] of every answer to one replay request, the end marker included."""
+    """[sequence, payload] of every answer to one replay request, the end marker included.
+    Each answer is framed as vLLM 0.32's publisher frames it: an empty delimiter, the topic
+    (empty on the end marker), the sequence, the payload."""
     dealer = context.socket(zmq.DEALER)
     try:
         dealer.connect(endpoint)
@@ -115,7 +118,9 @@ def replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]
         frames = []
         while not frames or frames[-1][0] != END_SEQ:
             assert dealer.poll(5000), "the replay socket did not answer"
-            frames.append(dealer.recv_multipart()[1:])
+            delimiter, topic, seq, payload = dealer.recv_multipart()
+            assert delimiter == b"" and topic == (b"" if seq == END_SEQ else TOPIC)
+            frames.append([seq, payload])
         return frames
     finally:
         dealer.close(linger=0)
@@ -131,7 +136,7 @@ def wait_sent(context: zmq.Context, endpoint: str, seq: int) -> None:
 
 def test_payloads_decode_as_vllms_kv_event_batch(tmp_path, context):
     sub = subscribe(context, f"ipc://{tmp_path}/pub")
-    publisher = ZmqEventPublisher(ipc_config(tmp_path), "CPU")
+    publisher = ZmqEventPublisher(ipc_config(tmp_path))
     publisher.start()
     try:
         stored = events.BlockStored([KEY_A, KEY_B], None, list(range(8)), 4)
@@ -142,14 +147,14 @@ def test_payloads_decode_as_vllms_kv_event_batch(tmp_path, context):
         assert batch.events == [
             BlockStored(block_hashes=[external_hash(KEY_A), external_hash(KEY_B)],
                         parent_block_hash=None, token_ids=list(range(8)), block_size=4,
-                        lora_id=None, medium="CPU", lora_name=None, extra_keys=[None, None],
+                        lora_id=None, medium="GPU", lora_name=None, extra_keys=[None, None],
                         group_idx=0, kv_cache_spec_kind="full_attention")
         ]  # fmt: skip
         [raw] = msgspec.msgpack.decode(payload)[1]  # a map, tagged; defaults left out
         assert raw["type"] == "BlockStored" and "kv_cache_spec_sliding_window" not in raw
         publisher.publish([events.BlockRemoved([KEY_B]), events.AllBlocksCleared()])
         assert next_batch_after(sub, topic_seq=seq).events == [
-            BlockRemoved([external_hash(KEY_B)], "CPU", 0),
+            BlockRemoved([external_hash(KEY_B)], "GPU", 0),
             AllBlocksCleared(),
         ]
     finally:
@@ -177,7 +182,7 @@ def test_salted_blocks_go_out_without_their_token_ids_unless_asked():
     assert tenant.parent_block_hash == public.block_hashes[-1]
 
     def token_ids(event: events.BlockStored, publish_salted: bool) -> list[int]:
-        wire = to_wire(event, "GPU", publish_salted)
+        wire = to_wire(event, publish_salted)
         decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=BlockStored)
         assert decoded.block_hashes == [external_hash(k) for k in event.block_hashes]
         return decoded.token_ids
@@ -206,7 +211,7 @@ def test_the_replay_buffer_keeps_at_most_n_batches_and_bytes():
 
 def test_one_replay_request_gets_at_most_replay_max_batches(tmp_path, context):
     config = ipc_config(tmp_path, buffer_steps=4, replay_max_batches=2)
-    publisher = ZmqEventPublisher(config, "CPU")
+    publisher = ZmqEventPublisher(config)
     publisher.start()
     try:
         for i in range(6):
@@ -226,7 +231,7 @@ def test_one_replay_request_gets_at_most_replay_max_batches(tmp_path, context):
 
 def test_a_full_queue_drops_and_counts_the_batch_and_leaves_a_gap(tmp_path, context):
     config = ipc_config(tmp_path, max_queue_size=1)
-    publisher = ZmqEventPublisher(config, "CPU")  # not started: the queue fills
+    publisher = ZmqEventPublisher(config)  # not started: the queue fills
     try:
         for i in range(3):
             publisher.publish([events.BlockRemoved([bytes([i]) * 32])])
@@ -249,7 +254,7 @@ def test_the_default_endpoint_binds_this_host_only(context):
     assert binds("tcp://*:5557") and binds("tcp://[::1]:5557") and binds("ipc:///tmp/kv")
     assert not binds("tcp://10.0.0.7:5557") and not binds("tcp://router.internal:5557")
     config = KVEventsConfig(True, "zmq", "tcp://127.0.0.1:*", topic="kv")  # any free port
-    publisher = ZmqEventPublisher(config, "CPU")
+    publisher = ZmqEventPublisher(config)
     try:
         assert publisher.endpoint.startswith("tcp://127.0.0.1:")
         sub = subscribe(context, publisher.endpoint)
@@ -269,4 +274,4 @@ def test_bad_options_name_the_flag(bad):
         config = parse_kv_events_config(
             bad.replace("{", '{"enable_kv_cache_events": true, "publisher": "zmq", ', 1)
         )
-        ZmqEventPublisher(config, "CPU").shutdown()
+        ZmqEventPublisher(config).shutdown()

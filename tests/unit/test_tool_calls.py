@@ -9,6 +9,8 @@ import json
 import random
 from types import SimpleNamespace
 
+import jsonschema
+import llguidance.hf
 import pytest
 
 from kvserve.request import SamplingParams
@@ -346,8 +348,7 @@ def test_a_template_that_reads_tools_gets_them_as_they_are(embedded_tokenizer):
 # ---------------------------------------------------------------------- the grammar
 @pytest.fixture(scope="module")
 def ll_tokenizer(embedded_tokenizer):
-    hf = pytest.importorskip("llguidance.hf")
-    return hf.from_tokenizer(embedded_tokenizer)
+    return llguidance.hf.from_tokenizer(embedded_tokenizer)
 
 
 def matches(grammar, text, ll_tokenizer, tokenizer):
@@ -386,7 +387,6 @@ def test_the_tool_grammars_compile_and_accept_only_calls(ll_tokenizer, embedded_
     ):
         assert not ok(required, wrong), wrong
     # what the grammar lets through, the parser reads, and the arguments fit the schema
-    jsonschema = pytest.importorskip("jsonschema")
     [call] = parse(CALL).calls
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
 

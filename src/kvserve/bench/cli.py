@@ -38,11 +38,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
-    print(
-        f"kvserve bench serve: {config.dataset.num_prompts} {config.dataset.dataset_name} "
-        f"requests to {config.api_url} at {rate} req/s",
-        flush=True,
-    )
+    data = config.dataset
+    what = f"{data.num_prompts} {data.dataset_name} requests to {config.api_url} at {rate} req/s"
+    if data.dataset_name == "multi-turn":
+        what = (f"{data.num_prompts} conversations x {data.num_turns} turns to {config.api_url}, "
+                f"{config.max_concurrency or data.num_prompts} at a time")  # fmt: skip
+    print(f"kvserve bench serve: {what}", flush=True)
     result = bench_serve(config)
     print(format_table(result), flush=True)
     if config.save_result:

@@ -44,7 +44,9 @@ def request_body(spec: RequestSpec, sample: SampleRequest) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if spec.backend == "openai-chat":
+    if sample.messages is not None:
+        body["messages"] = sample.messages
+    elif spec.backend == "openai-chat":
         body["messages"] = [{"role": "user", "content": sample.prompt}]
     else:
         body["prompt"] = sample.prompt
@@ -92,6 +94,8 @@ class _StreamState:
         if usage := chunk.get("usage"):
             self.record.input_len = usage.get("prompt_tokens", self.record.input_len)
             self.record.output_len = usage.get("completion_tokens", 0)
+            details = usage.get("prompt_tokens_details") or {}
+            self.record.cached_tokens = details.get("cached_tokens") or 0
 
 
 class _StreamError(Exception):

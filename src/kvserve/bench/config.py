@@ -13,7 +13,7 @@ from typing import Any
 
 from kvserve.errors import ParameterError, UserInputError
 
-DATASET_NAMES = ("random", "sharegpt", "prefix")
+DATASET_NAMES = ("random", "sharegpt", "prefix", "multi-turn")
 # --backend -> the path it posts to (unless --endpoint)
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 BACKEND_NAMES = tuple(BACKENDS)
@@ -31,7 +31,8 @@ class DatasetConfig:
 
     dataset_name: str = _f(
         "random",
-        "Prompts: random token ids, a ShareGPT file, or a shared prefix plus unique suffixes.",
+        "Prompts: random token ids, a ShareGPT file, a shared prefix plus unique suffixes, or "
+        "chat conversations resending their history (multi-turn: --num-prompts conversations).",
         choices=DATASET_NAMES,
     )
     dataset_path: str | None = _f(None, "ShareGPT-format JSON file (--dataset-name sharegpt).")
@@ -46,6 +47,12 @@ class DatasetConfig:
     output_len: int | None = _f(
         None, "max_tokens of the prefix dataset (default 128); overrides ShareGPT's reply lengths."
     )
+
+    num_turns: int = _f(6, "Turns of each conversation (multi-turn).")
+    system_prompt_len: int = _f(512, "Tokens of the system prompt all conversations share "
+                                "(multi-turn).")  # fmt: skip
+    turn_input_len: int = _f(96, "New user tokens each turn (multi-turn).")
+    turn_output_len: int = _f(48, "max_tokens of each turn's answer (multi-turn).")
 
     def __post_init__(self) -> None:
         if self.dataset_name not in DATASET_NAMES:
@@ -62,11 +69,15 @@ class DatasetConfig:
             self.prefix_len,
             self.num_prefixes,
             self.output_len or 1,
+            self.num_turns,
+            self.system_prompt_len,
+            self.turn_input_len,
+            self.turn_output_len,
         )
         if min(lengths) <= 0 or self.suffix_len < 0:
             raise UserInputError(
-                "lengths (--random-*-len, --prefix-len, --output-len, "
-                "--num-prefixes) must be positive"
+                "lengths (--random-*-len, --prefix-len, --output-len, --num-prefixes, "
+                "--num-turns, --system-prompt-len, --turn-*-len) must be positive"
             )
 
 
@@ -118,6 +129,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
             raise ParameterError("--backend", f"must be one of {', '.join(BACKEND_NAMES)}")
+        if self.dataset.dataset_name == "multi-turn" and self.backend != "openai-chat":
+            raise ParameterError("--backend", "multi-turn sends chat messages: use openai-chat")
         if not self.request_rate > 0:
             raise ParameterError("--request-rate", "must be positive (inf = all at once)")
         if not self.burstiness > 0:

@@ -1,4 +1,5 @@
-"""Prompts of a serving benchmark: `random`, `sharegpt` and `prefix`.
+"""Prompts of a serving benchmark: `random`, `sharegpt` and `prefix` (`multi-turn` chats:
+bench/multi_turn.py).
 
 Random and prefix prompts are token-id lists, so their lengths are exact; the completions API
 takes them as they are.  The chat API needs text, so `as_text` decodes the ids and re-encodes
@@ -22,24 +23,26 @@ _MIN_TOKENS, _MAX_PROMPT, _MAX_TOTAL = 4, 1024, 2048
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One request to send: the prompt (token ids or text), its length in tokens, max_tokens."""
+    """One request to send: the prompt (token ids or text), its length in tokens, max_tokens;
+    for a chat turn, the whole conversation so far (`messages`, sent instead of `prompt`)."""
 
     prompt: list[int] | str
     prompt_len: int
     output_len: int
+    messages: list[dict[str, str]] | None = None
 
 
 def sample_requests(config: DatasetConfig, tokenizer: Any) -> list[SampleRequest]:
     """The benchmark's requests, deterministic in `config.seed`."""
     rng = random.Random(config.seed)
     if config.dataset_name == "random":
-        return random_requests(config, _usable_ids(tokenizer), rng)
+        return random_requests(config, usable_ids(tokenizer), rng)
     if config.dataset_name == "prefix":
-        return prefix_requests(config, _usable_ids(tokenizer), rng)
+        return prefix_requests(config, usable_ids(tokenizer), rng)
     return sharegpt_requests(config, tokenizer, rng)
 
 
-def _usable_ids(tokenizer: Any) -> list[int]:
+def usable_ids(tokenizer: Any) -> list[int]:
     """Token ids a random prompt may use: the vocabulary without special tokens, which the
     server would treat as control tokens (EOS, chat markers)."""
     special = set(tokenizer.all_special_ids)

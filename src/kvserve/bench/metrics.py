@@ -38,6 +38,8 @@ class RequestRecord:
     end_time: float = 0.0
     generated_text: str = ""
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the server found cached (usage), if it says
+    turn: int | None = None  # a chat turn's index in its conversation (multi-turn), from 0
 
     @property
     def tpot(self) -> float | None:

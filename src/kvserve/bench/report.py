@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.metrics import completions_per_second, throughput_bin_s
+from kvserve.bench.multi_turn import turn_summary
 from kvserve.bench.runner import BenchResult
 from kvserve.bench.scrape import MetricsSample
 
@@ -42,6 +43,8 @@ def summary(result: BenchResult) -> dict[str, Any]:
     }
     for name, dist in m.distributions.items():
         row.update(dist.as_dict(name))
+    if any(r.turn is not None for r in result.records):
+        row["turns"] = turn_summary(result.records)
     row["memory"] = memory_summary(result.timeline)
     return row
 
@@ -104,6 +107,8 @@ def _request_row(r: Any) -> dict[str, Any]:
         "start_time": r.start_time,
         "end_time": r.end_time,
         "error": r.error,
+        "cached_tokens": r.cached_tokens,
+        "turn": r.turn,
     }
 
 
@@ -155,9 +160,22 @@ def format_table(result: BenchResult) -> str:
         lines.append(_line(f"Median {short} (ms):", dist.median))
         lines.append(_line(f"Std {short} (ms):", dist.std))
         lines += [_line(f"P{p:g} {short} (ms):", v) for p, v in dist.percentiles.items()]
+    if any(r.turn is not None for r in result.records):
+        lines += _turn_lines(turn_summary(result.records))
     lines += _memory_lines(memory_summary(result.timeline))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def _turn_lines(turns: dict[str, dict[str, float]]) -> list[str]:
+    """Multi-turn: TTFT and the cached fraction of the prompt, turn 1 against turns 2+."""
+    lines = ["{s:{c}^{n}}".format(s="Turns", n=_WIDTH, c="-")]
+    for name, row in turns.items():
+        lines.append(_line(f"{name}: count:", row["count"]))
+        lines.append(_line(f"{name}: P50 TTFT (ms):", row["ttft_p50_ms"]))
+        lines.append(_line(f"{name}: P90 TTFT (ms):", row["ttft_p90_ms"]))
+        lines.append(_line(f"{name}: mean cached fraction:", row["mean_cached_fraction"]))
+    return lines
 
 
 def _memory_lines(memory: dict[str, Any] | None) -> list[str]:

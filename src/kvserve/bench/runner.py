@@ -3,7 +3,8 @@
 Requests leave at arrival times drawn up front (gamma inter-arrival gaps: shape =
 burstiness, mean = 1 / rate; inf = all at time 0), wait for a slot when --max-concurrency is
 set, and are timed one by one; meanwhile a scraper samples the server's /metrics.  The run's
-duration is from the first send to the last response.
+duration is from the first send to the last response.  The multi-turn dataset sends its
+conversations' turns instead (bench/multi_turn.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvserve.bench.client import RequestSpec, send_request
 from kvserve.bench.config import BenchConfig
 from kvserve.bench.datasets import SampleRequest, as_text, sample_requests
 from kvserve.bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
+from kvserve.bench.multi_turn import Conversation, conversations, run_conversations
 from kvserve.bench.scrape import MetricsSample, MetricsScraper, metrics_url
 from kvserve.errors import ParameterError
 
@@ -62,11 +64,15 @@ def bench_serve(config: BenchConfig, tokenizer: Any | None = None) -> BenchResul
     model = config.model or fetch_model_name(config.base_url)
     if tokenizer is None:
         tokenizer = load_bench_tokenizer(config.tokenizer, model)
-    samples = sample_requests(config.dataset, tokenizer)
-    if config.backend == "openai-chat":
-        samples = [as_text(s, tokenizer) for s in samples]
     count = _token_counter(tokenizer)
-    records, duration, timeline = asyncio.run(run_requests(config, model, samples, count))
+    if config.dataset.dataset_name == "multi-turn":
+        chats = conversations(config.dataset, tokenizer)
+        records, duration, timeline = asyncio.run(run_chats(config, model, chats, count))
+    else:
+        samples = sample_requests(config.dataset, tokenizer)
+        if config.backend == "openai-chat":
+            samples = [as_text(s, tokenizer) for s in samples]
+        records, duration, timeline = asyncio.run(run_requests(config, model, samples, count))
     metrics = compute_metrics(records, duration, config.percentiles(), config.slos_ms())
     name = getattr(tokenizer, "name_or_path", "") or str(config.tokenizer)
     return BenchResult(config, model, name, records, metrics, timeline)
@@ -79,20 +85,14 @@ async def run_requests(
     count_tokens: Callable[[str], int] | None = None,
 ) -> tuple[list[RequestRecord], float, list[MetricsSample]]:
     """Send every sample on schedule; (records in sample order, duration, timeline)."""
-    spec = RequestSpec(config.api_url, model, config.backend, config.ignore_eos, api_key=_api_key(),
-                       sampling=tuple(config.sampling().items()))  # fmt: skip
     offsets = arrival_offsets(
         len(samples), config.request_rate, config.burstiness, config.dataset.seed
     )
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = tqdm(total=len(samples), disable=config.disable_tqdm, desc="requests")
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
-    ) as session:
-        t0 = time.perf_counter()
-        scraper = MetricsScraper(metrics_url(config.base_url), t0, config.scrape_interval)
-        scraping = asyncio.create_task(scraper.run(session))
+
+    async def send_all(session: aiohttp.ClientSession, t0: float) -> list[RequestRecord]:
+        spec = _spec(config, model)
 
         async def one(sample: SampleRequest, offset: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
@@ -104,13 +104,60 @@ async def run_requests(
             bar.update(1)
             return record
 
-        records = await asyncio.gather(*(one(s, o) for s, o in zip(samples, offsets, strict=True)))
+        pairs = zip(samples, offsets, strict=True)
+        return list(await asyncio.gather(*(one(s, o) for s, o in pairs)))
+
+    result = await _scraped(config, send_all)
+    bar.close()
+    return result
+
+
+async def run_chats(
+    config: BenchConfig,
+    model: str,
+    chats: list[Conversation],
+    count_tokens: Callable[[str], int] | None = None,
+) -> tuple[list[RequestRecord], float, list[MetricsSample]]:
+    """Every turn of every conversation, --max-concurrency conversations at a time (all when
+    unset; --request-rate does not apply); (records by conversation and turn, duration,
+    timeline)."""
+    data = config.dataset
+    bar = tqdm(total=len(chats) * data.num_turns, disable=config.disable_tqdm, desc="turns")
+
+    async def send_all(session: aiohttp.ClientSession, t0: float) -> list[RequestRecord]:
+        return await run_conversations(session, _spec(config, model), data, chats,
+                                       config.max_concurrency or len(chats), t0, count_tokens,
+                                       lambda: bar.update(1))  # fmt: skip
+
+    result = await _scraped(config, send_all)
+    bar.close()
+    return result
+
+
+def _spec(config: BenchConfig, model: str) -> RequestSpec:
+    return RequestSpec(config.api_url, model, config.backend, config.ignore_eos, api_key=_api_key(),
+                       sampling=tuple(config.sampling().items()))  # fmt: skip
+
+
+async def _scraped(
+    config: BenchConfig,
+    send_all: Callable[[aiohttp.ClientSession, float], Awaitable[list[RequestRecord]]],
+) -> tuple[list[RequestRecord], float, list[MetricsSample]]:
+    """`send_all(session, t0)` while a scraper samples /metrics; (records, duration from t0
+    to the last response, timeline)."""
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as session:
+        t0 = time.perf_counter()
+        scraper = MetricsScraper(metrics_url(config.base_url), t0, config.scrape_interval)
+        scraping = asyncio.create_task(scraper.run(session))
+        records = await send_all(session, t0)
         duration = time.perf_counter() - t0
         scraper.stop()
         await scraping
         await scraper.scrape_once(session)  # the state right after the last response
-    bar.close()
-    return list(records), duration, scraper.samples()
+    return records, duration, scraper.samples()
 
 
 def fetch_model_name(base_url: str) -> str:

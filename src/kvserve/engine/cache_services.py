@@ -10,13 +10,13 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
 from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.event_index import CacheIndex
 from kvserve.kv.spec import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -33,18 +33,21 @@ def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCache
 
 
 class PrefixCacheServices:
-    def __init__(self, config: CacheConfig, device: torch.device) -> None:
+    def __init__(self, config: CacheConfig) -> None:
         """Opens the event sockets now (a bad endpoint fails at start-up)."""
         self.publisher = None
         self.store = None
         self._num_closed_store_errors = 0  # the store's errors, once it is closed
         self._store_dir = config.prefix_cache_dir
         self._store_max_bytes = config.prefix_cache_dir_max_size
+        # What the events describe: the cache manager's log updates it, snapshots read it.
+        self.event_index: CacheIndex | None = None
         events = config.kv_events
         if events is not None:
             from kvserve.engine.kv_events import ZmqEventPublisher
 
-            self.publisher = ZmqEventPublisher(events, "GPU" if device.type == "cuda" else "CPU")
+            self.event_index = CacheIndex(config.block_size, threading.Lock())
+            self.publisher = ZmqEventPublisher(events, self.event_index)
             self.publisher.start()
         self._num_dropped_event_batches = 0  # of a closed publisher
 
@@ -95,10 +98,11 @@ class PrefixCacheServices:
         if self.store is not None:
             self.store.maybe_save(cache_manager, PREFIX_CACHE_SAVE_INTERVAL_S)
 
-    def reset(self, cache_manager: KVCacheManager) -> int:
-        """Drop every cached block no request holds, in memory and on disk (the files are
-        deleted by the store's writer: this never waits for it)."""
-        num_dropped = cache_manager.reset_prefix_cache()
+    def reset(self, cache_manager: KVCacheManager, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (pinned ones too with `include_pinned`),
+        in memory and on disk (the files are deleted by the store's writer: this never waits
+        for it)."""
+        num_dropped = cache_manager.reset_prefix_cache(include_pinned)
         if self.store is not None:
             self.store.clear()
         self.after_step(cache_manager)  # publish the events now

@@ -14,6 +14,9 @@ $[1][0]").  A payload is an array (msgspec ``array_like``) holding the events as
       {"type": "AllBlocksCleared"}],
      data_parallel_rank]
 
+`medium` is the tier (kv/events.py): "GPU" for the KV cache (on every platform, as vLLM's block
+pool sends it), "CPU" for the host tier, "DISK" for a tier on disk.
+
 A block hash is an unsigned integer, as vLLM sends by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
 the low 64 bits of the block key.  ``extra_keys`` holds one null per block: kvserve has no LoRA
 or multimodal keys and never publishes a cache salt (vLLM puts it in a block's entry).  Blocks
@@ -75,7 +78,7 @@ def external_hash(key: bytes) -> int:
     return int.from_bytes(key[-8:], "big")
 
 
-def to_wire(event: kv.KVEvent, medium: str, publish_salted_token_ids: bool) -> KVCacheEvent:
+def to_wire(event: kv.KVEvent, publish_salted_token_ids: bool) -> KVCacheEvent:
     """One event as vLLM sends it; a salted BlockStored without its token ids unless asked."""
     if isinstance(event, kv.BlockStored):
         parent = event.parent_block_hash
@@ -86,12 +89,13 @@ def to_wire(event: kv.KVEvent, medium: str, publish_salted_token_ids: bool) -> K
             token_ids=event.token_ids if keep_tokens else [],
             block_size=event.block_size,
             lora_id=None,
-            medium=medium,
+            medium=event.medium,
             lora_name=None,
             extra_keys=[None] * len(event.block_hashes),
             group_idx=GROUP_IDX,
             kv_cache_spec_kind=SPEC_KIND,
         )
     if isinstance(event, kv.BlockRemoved):
-        return BlockRemoved([external_hash(k) for k in event.block_hashes], medium, GROUP_IDX)
+        hashes = [external_hash(k) for k in event.block_hashes]
+        return BlockRemoved(hashes, event.medium, GROUP_IDX)
     return AllBlocksCleared()

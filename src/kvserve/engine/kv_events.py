@@ -12,6 +12,18 @@ there is a replay socket (at most ``buffer_steps`` batches and ``buffer_max_byte
 replay requests on the ROUTER socket as vLLM does: [identity, b"", start sequence] -> the kept
 [identity, b"", sequence, payload] from there, at most ``replay_max_batches`` (a subscriber still
 behind asks again), then the sequence -1 with an empty payload.
+
+A snapshot request, [identity, b"", b"snapshot"] on the same socket (the request of vLLM pull
+request #50134, not in a vLLM release yet), gets the whole index the events describe
+(kv/event_index.py: every tier's blocks) as payloads of the same format, each framed with the
+*resume sequence* R, then the end marker:
+
+    [identity, b"", R, payload]...  [identity, b"", -1, b""]
+
+The first payload starts with AllBlocksCleared.  A subscriber that starts late (or lost batches
+that replay no longer holds) applies the snapshot, then every batch numbered R or more (replay
+from R, then the live stream).  A snapshot comes in at most ``replay_max_batches`` payloads of
+at least SNAPSHOT_BLOCKS_PER_BATCH blocks each.  vLLM defines no heartbeat: none is sent.
 """
 
 from __future__ import annotations
@@ -21,7 +33,8 @@ import queue
 import threading
 import time
 from collections import deque
-from itertools import count, islice
+from dataclasses import replace
+from itertools import islice
 
 import msgspec
 import zmq
@@ -30,11 +43,23 @@ from kvserve.config import KVEventsConfig
 from kvserve.engine.kv_event_wire import EventBatch, to_wire
 from kvserve.errors import ParameterError
 from kvserve.kv import events as kv
+from kvserve.kv.event_index import CacheIndex
 
 logger = logging.getLogger("kvserve")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def end_of_replay(client: bytes) -> tuple[bytes, ...]:
+    """The frames that end an answer on the replay socket.  vLLM 0.32 frames a replayed batch
+    as the live ones (topic, sequence, payload) after the client's envelope, and the end as an
+    empty topic, the sequence -1 and an empty payload: its subscribers read both that way."""
+    return (client, b"", b"", END_SEQ, b"")
+
+
 MAX_REPLAY_REQUEST_BYTES = 64  # a request's frames: b"" and an 8-byte sequence number
+SNAPSHOT_REQUEST = b"snapshot"
+SNAPSHOT_BLOCKS_PER_BATCH = 1024  # ~16k tokens, ~70 KB of msgpack a payload
 
 
 class ReplayBuffer:
@@ -73,13 +98,14 @@ class ReplayBuffer:
 class ZmqEventPublisher:
     """Publishes batches of KV events from a background thread (started by `start`)."""
 
-    def __init__(self, config: KVEventsConfig, medium: str) -> None:
+    def __init__(self, config: KVEventsConfig, index: CacheIndex | None = None) -> None:
         """Binds (or connects) the sockets now, so that a bad endpoint fails at start-up
-        (ParameterError naming --kv-events-config); only the publisher thread uses them."""
-        self.medium = medium
+        (ParameterError naming --kv-events-config); only the publisher thread uses them.
+        `index`: what the events describe, for snapshots (None: a snapshot is empty)."""
+        self.index = index
         self._publish_salted = config.publish_salted_token_ids
         self._replay_max_batches = config.replay_max_batches
-        self._sequence = count()  # drawn on the engine thread: a dropped batch leaves a gap
+        self._next_seq = 0  # drawn on the engine thread: a dropped batch leaves a gap
         self._num_queue_full = 0  # engine thread
         self._num_send_failed = 0  # publisher thread
         self._queue: queue.Queue[tuple[int, float, list[kv.KVEvent]] | None]
@@ -107,7 +133,8 @@ class ZmqEventPublisher:
 
     def publish(self, events: list[kv.KVEvent]) -> None:
         """Queue one batch (engine thread; never blocks)."""
-        seq = next(self._sequence)
+        seq = self._next_seq
+        self._next_seq = seq + 1
         try:
             self._queue.put_nowait((seq, time.time(), events))  # encoded on the publisher thread
         except queue.Full:
@@ -169,8 +196,7 @@ class ZmqEventPublisher:
             self._send(encoder, *batch)
 
     def _send(self, encoder: msgspec.msgpack.Encoder, seq: int, ts: float, events: list) -> None:
-        wire = [to_wire(e, self.medium, self._publish_salted) for e in events]
-        payload = encoder.encode(EventBatch(ts, wire, 0))
+        payload = self._encode(encoder, ts, events)
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         except zmq.ZMQError:
@@ -178,6 +204,20 @@ class ZmqEventPublisher:
             logger.exception("KV events: sending batch %d failed", seq)
         if self._buffer is not None:
             self._buffer.add(seq, payload)
+
+    def _encode(self, encoder: msgspec.msgpack.Encoder, ts: float, events: list) -> bytes:
+        wire = [to_wire(e, self._publish_salted) for e in events]
+        return encoder.encode(EventBatch(ts, wire, 0))
+
+    def _serve_snapshot(self, client: bytes) -> None:
+        """The whole index, framed with the sequence number to resume from (read before the
+        index is copied: every batch before it is in the copy, kv/event_index.py)."""
+        resume = self._next_seq.to_bytes(8, "big")
+        events = self.index.snapshot() if self.index is not None else []
+        encoder, ts = msgspec.msgpack.Encoder(), time.time()
+        for batch in snapshot_batches(events, self._replay_max_batches):
+            payload = self._encode(encoder, ts, batch)
+            self._replay.send_multipart((client, b"", self._topic, resume, payload))
 
     def _serve_replay(self) -> None:
         """Answer one replay request; a socket error is logged, never the end of the thread."""
@@ -188,12 +228,47 @@ class ZmqEventPublisher:
                 logger.warning("KV events: ignoring a replay request of %d frames", len(frames))
                 return
             client, _, start = frames
+            if start == SNAPSHOT_REQUEST:
+                self._serve_snapshot(client)
+                self._replay.send_multipart(end_of_replay(client))
+                return
             kept = self._buffer.since(int.from_bytes(start, "big"), self._replay_max_batches)
             for seq, payload in kept:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_SEQ, b""))
+                answer = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(answer)
+            self._replay.send_multipart(end_of_replay(client))
         except zmq.ZMQError:
             logger.exception("KV events: answering a replay request failed")
+
+
+def snapshot_batches(events: list[kv.KVEvent], max_batches: int) -> list[list[kv.KVEvent]]:
+    """`events` in batches of at most max(SNAPSHOT_BLOCKS_PER_BATCH, blocks / max_batches)
+    blocks each (a long run is split, its second part naming the first's last block as
+    parent), so that a snapshot is at most `max_batches` payloads."""
+    num_blocks = sum(len(e.block_hashes) for e in events if isinstance(e, kv.BlockStored))
+    limit = max(SNAPSHOT_BLOCKS_PER_BATCH, -(-num_blocks // max(1, max_batches)))
+    batches: list[list[kv.KVEvent]] = [[]]
+    room = limit
+    for event in events:
+        while isinstance(event, kv.BlockStored) and len(event.block_hashes) > room:
+            if room:
+                head, event = split_run(event, room)
+                batches[-1].append(head)
+            batches.append([])
+            room = limit
+        batches[-1].append(event)
+        room -= len(event.block_hashes) if isinstance(event, kv.BlockStored) else 0
+    return batches
+
+
+def split_run(event: kv.BlockStored, num_blocks: int) -> tuple[kv.BlockStored, kv.BlockStored]:
+    """A run's first `num_blocks` blocks, and the rest (their parent its first part's last)."""
+    hashes, tokens = event.block_hashes, event.token_ids
+    num_tokens = num_blocks * event.block_size if tokens else 0
+    head = replace(event, block_hashes=hashes[:num_blocks], token_ids=tokens[:num_tokens])
+    tail = replace(event, block_hashes=hashes[num_blocks:], token_ids=tokens[num_tokens:],
+                   parent_block_hash=hashes[num_blocks - 1])  # fmt: skip
+    return head, tail
 
 
 def binds(endpoint: str) -> bool:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from torch.profiler import record_function
 
-from kvserve.config import CacheConfig, EngineConfig
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, CacheConfig, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_store import fingerprint
@@ -39,13 +39,24 @@ from kvserve.executor.abstract import Checkpoint
 from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
 from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.pins import Pin, PinLimitError
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.request import RequestStatus, SamplingParams
+from kvserve.request import RequestStatus, SamplingParams, check_priorities
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
+
+
+@dataclass(frozen=True)
+class PinnedPrefixes:
+    """GET /v1/prefix_cache/pins: the pins and what they hold."""
+
+    pins: list[Pin]
+    num_pinned_blocks: int
+    max_pinned_blocks: int
+    bytes_per_block: int
 
 
 class StepFailedError(RuntimeError):
@@ -75,10 +86,13 @@ def make_cache_manager(
             if cache.public_prefixes else ()
         ),
         enable_events=services.wants_events,
+        event_index=services.event_index,
         track_new_blocks=services.wants_new_blocks,
         num_host_blocks=sizing.num_host_blocks,
         report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
         groups=sizing.spec.groups,
+        eviction=cache.prefix_cache_eviction,
+        max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
     )  # fmt: skip
 
 
@@ -113,7 +127,7 @@ class LLMEngine:
             sched.allow_long_max_model_len,
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
-        self.services = PrefixCacheServices(self.config.cache, ex.device)  # a bad endpoint fails
+        self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
         ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
         self.cache_manager = make_cache_manager(self.config.cache, sizing, self.tokenizer,
@@ -176,15 +190,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> None:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit.
         Its cached blocks are shared only with requests of the same `cache_salt` (and the
-        public prefixes with every request); `priority` orders it under --scheduling-policy
-        priority (ParameterError under another policy unless 0)."""
+        public prefixes with every request); once freed they are evicted after those of a
+        lower `kv_retention_priority` (0-100).  `priority` is vLLM's (lower first), used
+        by --scheduling-policy priority (ParameterError under another policy unless 0)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
         params.check_against(vocab_size, self.config.limits)
+        check_priorities(priority, kv_retention_priority)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -194,7 +211,7 @@ class LLMEngine:
             self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = make_children(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                 cache_salt, priority)  # fmt: skip
+                                 cache_salt, priority, kv_retention_priority)  # fmt: skip
         added = []
         try:
             for child in children:
@@ -231,11 +248,61 @@ class LLMEngine:
             prefix_store_errors=self.services.num_store_errors,
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds (and the store on disk); how many."""
-        num_dropped = self.services.reset(self.cache_manager)
+    def reset_prefix_cache(self, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (and the store on disk); how many.
+        Pinned prefixes stay unless `include_pinned` (which unpins them first)."""
+        num_dropped = self.services.reset(self.cache_manager, include_pinned)
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
+
+    # ----------------------------------------------------------------- pinned prefixes
+    def check_pin_room(self, token_ids: list[int], cache_salt: str | None) -> None:
+        """ParameterError naming --max-pinned-prefix-fraction when pinning these tokens' full
+        blocks would pass the cap (checked before the prefix is computed)."""
+        cm = self.cache_manager
+        try:
+            keys = cm.prefix_keys(token_ids, cache_salt)
+        except ValueError as exc:  # caching off, or KV cache groups
+            raise ParameterError("prompt", f"cannot be pinned: {exc}") from None
+        try:
+            cm.pins.check_room(keys)
+        except PinLimitError as exc:
+            raise self._pin_limit_error(exc) from None
+
+    def try_pin_prefix(
+        self, pin_id: str, token_ids: list[int], cache_salt: str | None
+    ) -> Pin | None:
+        """Pin the full blocks of `token_ids` (kv/pins.py); None when they are not all cached
+        (run the prompt, then try again).  ParameterError past the cap or for an id in use."""
+        if self.cache_manager.pins.get(pin_id) is not None:
+            raise ParameterError("id", f"{pin_id!r} is already in use by a pinned prefix")
+        try:
+            pin = self.cache_manager.try_pin_prefix(pin_id, token_ids, cache_salt)
+        except PinLimitError as exc:
+            raise self._pin_limit_error(exc) from None
+        if pin is not None:
+            logger.info("pinned prefix %s: %d tokens", pin_id, pin.num_tokens)
+        return pin
+
+    def unpin_prefix(self, pin_id: str) -> Pin | None:
+        """Release a pin (its blocks stay cached, now evictable); None when unknown."""
+        return self.cache_manager.pins.unpin(pin_id)
+
+    def list_pins(self) -> PinnedPrefixes:
+        """Every pin, the distinct blocks they hold, the cap and the bytes of one block."""
+        pins = self.cache_manager.pins
+        return PinnedPrefixes(pins.list_pins(), pins.num_pinned_blocks, pins.max_blocks,
+                              self.sizing.spec.bytes_per_block)  # fmt: skip
+
+    def _pin_limit_error(self, exc: PinLimitError) -> ParameterError:
+        fraction = self.config.cache.max_pinned_prefix_fraction
+        pins = self.cache_manager.pins
+        return ParameterError(
+            "--max-pinned-prefix-fraction",
+            f"({fraction}) caps pinned prefixes at {pins.max_blocks} blocks: this one needs "
+            f"{exc.num_new} more, {pins.num_pinned_blocks} are pinned; unpin a prefix or "
+            "raise the flag",
+        )
 
     def close(self) -> None:
         """Write the prefix cache store, stop the KV event publisher and the tensor-parallel

@@ -112,7 +112,7 @@ class Scheduler:
         # Siblings still waiting for this request's prompt compute it themselves.
         self.waiting.extend(self._pending_forks.pop(request_id, []))
         request.status = status
-        self.cache_manager.free(request_id)
+        self.cache_manager.free(request_id, request.kv_retention_priority)
         self._finished_ids.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -177,7 +177,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.cache_manager.free(request.request_id)
+        self.cache_manager.free(request.request_id, request.kv_retention_priority)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -1,6 +1,11 @@
 """What the prefix cache did, kept for the world outside the engine step (pure Python): KV
-events for subscribers (kv/events.py) and the blocks cached since the last save, for the store
-on disk.  Each half is off (None, nothing recorded) unless asked for.
+events for subscribers (kv/events.py), with the index they describe (kv/event_index.py), and
+the blocks cached since the last save, for the store on disk.  Each half is off (None, nothing
+recorded) unless asked for.
+
+Events name the tier (`medium`) of every store and removal.  A block that moves between tiers
+is announced where it arrives before it is removed where it was, with the parent and tokens it
+was announced with (the index keeps them): a subscriber never sees it held nowhere.
 """
 
 from __future__ import annotations
@@ -8,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kv.event_index import UNKNOWN, CacheIndex, IndexEntry
+from kvserve.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(frozen=True)
@@ -23,9 +29,14 @@ class NewBlock:
 
 
 class CacheLog:
-    def __init__(self, block_size: int, enable_events: bool, track_new_blocks: bool) -> None:
+    def __init__(
+        self, block_size: int, enable_events: bool, track_new_blocks: bool,
+        index: CacheIndex | None = None,
+    ) -> None:  # fmt: skip
+        """`index`: the one the events update (with events on; None: a new one)."""
         self.block_size = block_size
         self._events: list[KVEvent] | None = [] if enable_events else None
+        self.index = (index or CacheIndex(block_size)) if enable_events else None
         self._new_blocks: list[NewBlock] | None = [] if track_new_blocks else None
 
     @property
@@ -45,25 +56,32 @@ class CacheLog:
         one BlockStored per run of consecutive blocks alike in saltedness (blocks from
         `num_unsalted` on are keyed under the request's cache salt), and the blocks to persist."""
         size = self.block_size
-        events = self._events
         for i in indices:
             parent = keys[i - 1] if i else None
             tokens = list(token_ids[i * size : (i + 1) * size])
             if self._new_blocks is not None:
                 self._new_blocks.append(NewBlock(table[i], keys[i], contents[i], parent, tokens))
-            if events is None:
-                continue
-            salted = i >= num_unsalted
-            last = events[-1] if events else None
-            if (
-                isinstance(last, BlockStored)
-                and last.block_hashes[-1] == parent
-                and last.salted == salted
-            ):
-                last.block_hashes.append(keys[i])
-                last.token_ids.extend(tokens)
-            else:
-                events.append(BlockStored([keys[i]], parent, list(tokens), size, salted))
+            if self._events is not None:
+                entry = IndexEntry(parent, tuple(tokens), i >= num_unsalted)
+                self._log_store(MEDIUM_GPU, keys[i], entry)
+
+    def _log_store(self, medium: str, key: bytes, entry: IndexEntry) -> None:
+        """One block stored in `medium`: onto the last event when it continues its run."""
+        assert self._events is not None and self.index is not None
+        self.index.store(medium, key, entry)
+        last = self._events[-1] if self._events else None
+        if (
+            isinstance(last, BlockStored)
+            and last.medium == medium
+            and last.block_hashes[-1] == entry.parent
+            and last.salted == entry.salted
+            and bool(last.token_ids) == bool(entry.token_ids)
+        ):
+            last.block_hashes.append(key)
+            last.token_ids.extend(entry.token_ids)
+        else:
+            self._events.append(BlockStored([key], entry.parent, list(entry.token_ids),
+                                            self.block_size, entry.salted, medium))  # fmt: skip
 
     def stored_in_group(
         self, indices: list[int], keys: Sequence[bytes], contents: Sequence[int],
@@ -81,18 +99,39 @@ class CacheLog:
             self._new_blocks.append(NewBlock(table[i], keys[i], contents[i], parent, tokens))
 
     def evicted(self, key: bytes) -> None:
-        """A cached block was evicted to make room (consecutive evictions: one event)."""
-        if self._events is not None:
-            last = self._events[-1] if self._events else None
-            if not isinstance(last, BlockRemoved):
-                last = BlockRemoved()
-                self._events.append(last)
-            last.block_hashes.append(key)
+        """A cached block was evicted from the device to make room (consecutive evictions:
+        one event)."""
+        self.removed([key], MEDIUM_GPU)
 
-    def dropped(self, keys: list[bytes], none_left: bool) -> None:
-        """A reset dropped these cached blocks; `none_left`: no block is cached any more."""
-        if self._events is not None and keys:
-            self._events.append(AllBlocksCleared() if none_left else BlockRemoved(keys))
+    def removed(self, keys: list[bytes], medium: str) -> None:
+        """`medium` no longer holds these blocks (onto the last event when it removes from
+        the same medium)."""
+        if self._events is None or not keys:
+            return
+        assert self.index is not None
+        self.index.remove(medium, keys)
+        last = self._events[-1] if self._events else None
+        if not isinstance(last, BlockRemoved) or last.medium != medium:
+            last = BlockRemoved(medium=medium)
+            self._events.append(last)
+        last.block_hashes.extend(keys)
+
+    def copied(self, keys: list[bytes], src: str, dst: str) -> None:
+        """`dst` now holds these blocks too, copied from `src` (an offload, a load, a tier
+        below writing them): announced with what `src` was announced to hold (a block never
+        announced: without parent or tokens)."""
+        if self._events is None:
+            return
+        assert self.index is not None
+        for key in keys:
+            self._log_store(dst, key, self.index.entry(src, key) or UNKNOWN)
+
+    def cleared(self) -> None:
+        """A reset left no block in any tier (one AllBlocksCleared says it for every tier)."""
+        if self._events is not None:
+            assert self.index is not None
+            self.index.clear()
+            self._events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
         """The events since the last call (always empty when events are off)."""

@@ -39,6 +39,11 @@ free-but-cached.
   counts only when every group has what it needs.  ``block_table`` is group 0's table,
   ``group_block_tables`` the others'.  The host tier and the block log (events, the store)
   serve a cache of one full-attention group (the engine refuses them otherwise).
+* Eviction (kv/eviction.py, ``eviction``): ARC by default in the pool and the host tier, so
+  that blocks reused since they were cached outlive one-off ones; ``free`` gives a request's
+  blocks its retention priority (lower ones are evicted first).
+* Pins (kv/pins.py): ``try_pin_prefix`` holds the full blocks of a cached prefix for good
+  (up to ``max_pinned_blocks``); ``reset_prefix_cache`` keeps them unless ``include_pinned``.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -50,10 +55,12 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
-from kvserve.kv.events import KVEvent
+from kvserve.kv.event_index import CacheIndex
+from kvserve.kv.events import MEDIUM_CPU, MEDIUM_GPU, KVEvent
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,
@@ -64,6 +71,7 @@ from kvserve.kv.groups import (
 )
 from kvserve.kv.host_tier import HostTier, HostTransfers
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
+from kvserve.kv.pins import Pin, PrefixPins
 from kvserve.kv.spec import KVCacheGroup, blocks_kept, cdiv
 
 
@@ -144,6 +152,9 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         report_cross_salt_misses: bool = False,
         groups: Sequence[KVCacheGroup] = (),
+        event_index: CacheIndex | None = None,
+        eviction: str = "arc",
+        max_pinned_blocks: int = 0,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -151,21 +162,28 @@ class KVCacheManager:
         slots of the host tier (0: none); `report_cross_salt_misses` counts a miss of tokens
         cached under another salt as `isolated` (kv/miss_reasons.py: off, tenants learn
         nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
-        full attention)."""
+        full attention); `event_index` the index that events update (with events on; None: a
+        new one, `event_index` of this manager), which a subscriber's snapshot reads;
+        `eviction` the policy of both tiers (kv/eviction.py); `max_pinned_blocks` the cap of
+        pinned blocks (kv/pins.py)."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
         self._one_full_group = self.windows == (0,)
         self.enable_caching = enable_caching
         self.block_hasher = BlockHasher(block_size, extra_key, public_prefixes, enable_caching)
-        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
+        self.pool = BlockPool(num_blocks, on_evict=self._on_evict, eviction=eviction)
+        self.pins = PrefixPins(self.pool, max_pinned_blocks)
         self._tables: dict[str, list[list[int]]] = {}  # request id -> a table per group
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
-        self._log = CacheLog(block_size, enable_events, track_new_blocks)
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
+        self.event_index = self._log.index
+        self.host = (
+            HostTier(num_host_blocks, eviction) if num_host_blocks and enable_caching else None
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -422,6 +440,7 @@ class KVCacheManager:
             stored = self.pool.cache(block_id, key)
             assert stored, "a host-tier hit was cached on the device meanwhile"
             self.host.load(key, block_id)
+        self._log.copied(keys, MEDIUM_CPU, MEDIUM_GPU)
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
 
@@ -544,28 +563,40 @@ class KVCacheManager:
             return False
         return self.pool.cache(block_id, key)
 
-    def _on_evict(self, block_id: int, key: bytes) -> None:
+    def _on_evict(self, block_id: int, key: bytes, reused: bool, priority: int) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
         when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
+        host = self.host
+        held = host is not None and key in host
+        kept, dropped = host.offload(block_id, key, reused, priority) if host else (False, [])
+        self._log.removed(dropped, MEDIUM_CPU)
+        if kept and not held:
+            self._log.copied([key], MEDIUM_GPU, MEDIUM_CPU)  # announced there, then gone here
         self._log.evicted(key)
-        kept, dropped = self.host.offload(block_id, key) if self.host else (False, [])
         if not kept:
             self._misses.record_removed(key)
         for old in dropped:  # gone from the host; still on the device, it is no miss yet
             if self.pool.lookup(old) is None:
                 self._misses.record_removed(old)
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block that no request holds (blocks in use stay cached); returns
-        how many were dropped.  Later lookups of their content count as `evicted` misses."""
+    def reset_prefix_cache(self, include_pinned: bool = False) -> int:
+        """Drop every cached block that no request holds (blocks in use stay cached, pinned
+        ones too unless `include_pinned`, which unpins them first); returns how many were
+        dropped.  Later lookups of their content count as `evicted` misses."""
+        if include_pinned:
+            self.pins.unpin_all()
         dropped = self.pool.drop_free_cached()
+        host_keys = self.host.clear() if self.host is not None else []
         for key in dropped:
             self._misses.record_removed(key)
-        self._log.dropped(dropped, none_left=self.pool.num_cached_blocks == 0)
-        if self.host is not None:
-            for key in self.host.clear():
-                if self.pool.lookup(key) is None:
-                    self._misses.record_removed(key)
+        for key in host_keys:
+            if self.pool.lookup(key) is None:
+                self._misses.record_removed(key)
+        if self.pool.num_cached_blocks == 0 and (dropped or host_keys):
+            self._log.cleared()  # the host tier is emptied whole: no tier holds a block
+        else:
+            self._log.removed(dropped, MEDIUM_GPU)
+            self._log.removed(host_keys, MEDIUM_CPU)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:
@@ -601,12 +632,31 @@ class KVCacheManager:
         KV dtype's store), so that missing them counts as `isolated`."""
         self._misses.record_foreign(contents, keys)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first) and forget its table."""
+    def free(self, request_id: str, retention_priority: int = DEFAULT_RETENTION_PRIORITY) -> None:
+        """Release the request's blocks (tail first, at its `retention_priority`: lower ones
+        are evicted first) and forget its table."""
         tables = self._tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         for table in tables or ():
-            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+            self.pool.free((b for b in reversed(table) if b != NULL_BLOCK), retention_priority)
+
+    def prefix_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """The keys of the full blocks of `token_ids` under `cache_salt` (what a request
+        with these tokens would look up).  ValueError with caching off or several groups."""
+        if not self.enable_caching or not self._one_full_group:
+            raise ValueError("pinning needs prefix caching and one full-attention KV group")
+        hashes = self.block_hasher.for_request(cache_salt)
+        hashes.extend(token_ids)
+        return list(hashes.keys)
+
+    def try_pin_prefix(
+        self, pin_id: str, token_ids: Sequence[int], cache_salt: str | None
+    ) -> Pin | None:
+        """Pin the cached full blocks of `token_ids` (kv/pins.py); None when some are not
+        cached on the device (compute the prefix, then try again).  PinLimitError past the
+        cap, ValueError for an id in use or a cache that cannot pin."""
+        keys = self.prefix_keys(token_ids, cache_salt)
+        return self.pins.try_pin(pin_id, keys, self.block_size)
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request holds, every group's."""
@@ -618,7 +668,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict(self.pins.references())
         for tables in self._tables.values():
             held = [b for t in tables for b in t if b != NULL_BLOCK]
             assert len(set(held)) == len(held), "a request holds a block twice"
@@ -627,6 +677,7 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count of {block.block_id}"
         assert self.pool.num_free_blocks + len(refs) == self.pool.num_blocks
+        assert self.pins.num_pinned_blocks <= max(self.pins.max_blocks, 0)
 
 
 class _EitherTier:
