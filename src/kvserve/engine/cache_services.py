@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
+from kvserve.engine.public_prefixes import public_prefix_token_ids
+from kvserve.engine.sizing import KVCacheSizing
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.event_index import CacheIndex
 from kvserve.kv.spec import KVCacheSpec
@@ -35,6 +37,7 @@ def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCache
 class PrefixCacheServices:
     def __init__(self, config: CacheConfig) -> None:
         """Opens the event sockets now (a bad endpoint fails at start-up)."""
+        self.config = config
         self.publisher = None
         self.store = None
         self._num_closed_store_errors = 0  # the store's errors, once it is closed
@@ -121,3 +124,26 @@ class PrefixCacheServices:
             self.publisher.shutdown()
             self._num_dropped_event_batches = self.publisher.num_dropped
             self.publisher = None
+
+    def make_cache_manager(self, sizing: KVCacheSizing, tokenizer: object) -> KVCacheManager:
+        """The KV cache manager over the device blocks that every rank allocated, with the
+        events and new-block tracking these services need."""
+        cache = self.config
+        return KVCacheManager(
+            sizing.num_blocks,
+            sizing.spec.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            extra_key=sizing.spec.dtype.encode(),
+            public_prefixes=(
+                public_prefix_token_ids(cache.public_prefixes, tokenizer)
+                if cache.public_prefixes else ()
+            ),
+            enable_events=self.wants_events,
+            event_index=self.event_index,
+            track_new_blocks=self.wants_new_blocks,
+            num_host_blocks=sizing.num_host_blocks,
+            report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
+            groups=sizing.spec.groups,
+            eviction=cache.prefix_cache_eviction,
+            max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
+        )  # fmt: skip

@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from torch.profiler import record_function
 
-from kvserve.config import DEFAULT_RETENTION_PRIORITY, CacheConfig, EngineConfig
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
+from kvserve.engine.prefix_pins import PrefixPins
 from kvserve.engine.prefix_store import fingerprint
-from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
@@ -38,8 +38,6 @@ from kvserve.errors import ParameterError
 from kvserve.executor.abstract import Checkpoint
 from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
-from kvserve.kv.cache_manager import KVCacheManager
-from kvserve.kv.pins import Pin, PinLimitError
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.request import RequestStatus, SamplingParams, check_priorities
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
@@ -47,16 +45,6 @@ from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve")
-
-
-@dataclass(frozen=True)
-class PinnedPrefixes:
-    """GET /v1/prefix_cache/pins: the pins and what they hold."""
-
-    pins: list[Pin]
-    num_pinned_blocks: int
-    max_pinned_blocks: int
-    bytes_per_block: int
 
 
 class StepFailedError(RuntimeError):
@@ -70,30 +58,6 @@ class StepFailedError(RuntimeError):
 
 class EngineCorruptedError(RuntimeError):
     """An invariant of the engine's state is broken: serving must stop."""
-
-
-def make_cache_manager(
-    cache: CacheConfig, sizing: KVCacheSizing, tokenizer: object, services: PrefixCacheServices
-) -> KVCacheManager:
-    """The KV cache manager over the device blocks that every rank allocated."""
-    return KVCacheManager(
-        sizing.num_blocks,
-        sizing.spec.block_size,
-        enable_caching=cache.enable_prefix_caching,
-        extra_key=sizing.spec.dtype.encode(),
-        public_prefixes=(
-            public_prefix_token_ids(cache.public_prefixes, tokenizer)
-            if cache.public_prefixes else ()
-        ),
-        enable_events=services.wants_events,
-        event_index=services.event_index,
-        track_new_blocks=services.wants_new_blocks,
-        num_host_blocks=sizing.num_host_blocks,
-        report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
-        groups=sizing.spec.groups,
-        eviction=cache.prefix_cache_eviction,
-        max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
-    )  # fmt: skip
 
 
 class LLMEngine:
@@ -130,8 +94,9 @@ class LLMEngine:
         self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
         ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
-        self.cache_manager = make_cache_manager(self.config.cache, sizing, self.tokenizer,
-                                                self.services)  # fmt: skip
+        self.cache_manager = self.services.make_cache_manager(sizing, self.tokenizer)
+        self.pins = PrefixPins(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
+                               sizing.spec.bytes_per_block)  # fmt: skip
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
@@ -254,55 +219,6 @@ class LLMEngine:
         num_dropped = self.services.reset(self.cache_manager, include_pinned)
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
-
-    # ----------------------------------------------------------------- pinned prefixes
-    def check_pin_room(self, token_ids: list[int], cache_salt: str | None) -> None:
-        """ParameterError naming --max-pinned-prefix-fraction when pinning these tokens' full
-        blocks would pass the cap (checked before the prefix is computed)."""
-        cm = self.cache_manager
-        try:
-            keys = cm.prefix_keys(token_ids, cache_salt)
-        except ValueError as exc:  # caching off, or KV cache groups
-            raise ParameterError("prompt", f"cannot be pinned: {exc}") from None
-        try:
-            cm.pins.check_room(keys)
-        except PinLimitError as exc:
-            raise self._pin_limit_error(exc) from None
-
-    def try_pin_prefix(
-        self, pin_id: str, token_ids: list[int], cache_salt: str | None
-    ) -> Pin | None:
-        """Pin the full blocks of `token_ids` (kv/pins.py); None when they are not all cached
-        (run the prompt, then try again).  ParameterError past the cap or for an id in use."""
-        if self.cache_manager.pins.get(pin_id) is not None:
-            raise ParameterError("id", f"{pin_id!r} is already in use by a pinned prefix")
-        try:
-            pin = self.cache_manager.try_pin_prefix(pin_id, token_ids, cache_salt)
-        except PinLimitError as exc:
-            raise self._pin_limit_error(exc) from None
-        if pin is not None:
-            logger.info("pinned prefix %s: %d tokens", pin_id, pin.num_tokens)
-        return pin
-
-    def unpin_prefix(self, pin_id: str) -> Pin | None:
-        """Release a pin (its blocks stay cached, now evictable); None when unknown."""
-        return self.cache_manager.pins.unpin(pin_id)
-
-    def list_pins(self) -> PinnedPrefixes:
-        """Every pin, the distinct blocks they hold, the cap and the bytes of one block."""
-        pins = self.cache_manager.pins
-        return PinnedPrefixes(pins.list_pins(), pins.num_pinned_blocks, pins.max_blocks,
-                              self.sizing.spec.bytes_per_block)  # fmt: skip
-
-    def _pin_limit_error(self, exc: PinLimitError) -> ParameterError:
-        fraction = self.config.cache.max_pinned_prefix_fraction
-        pins = self.cache_manager.pins
-        return ParameterError(
-            "--max-pinned-prefix-fraction",
-            f"({fraction}) caps pinned prefixes at {pins.max_blocks} blocks: this one needs "
-            f"{exc.num_new} more, {pins.num_pinned_blocks} are pinned; unpin a prefix or "
-            "raise the flag",
-        )
 
     def close(self) -> None:
         """Write the prefix cache store, stop the KV event publisher and the tensor-parallel

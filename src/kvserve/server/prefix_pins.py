@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 from kvserve.config import MAX_RETENTION_PRIORITY
-from kvserve.engine.llm_engine import Pin, PinnedPrefixes
+from kvserve.engine.prefix_pins import Pin, PinnedPrefixes
 from kvserve.errors import ParameterError
 from kvserve.request import RequestOutputKind, SamplingParams
 from kvserve.server.errors import APIError
@@ -60,11 +60,11 @@ async def pin_prefix(ctx: ServingContext, body: PinRequest) -> PinInfo:
     salt = body.cache_salt
     llm = ctx.async_llm
     try:
-        await llm.call(lambda engine: engine.check_pin_room(token_ids, salt))
+        await llm.call(lambda engine: engine.pins.check_room(token_ids, salt))
         for attempt in range(PIN_ATTEMPTS):
-            pin = await llm.call(lambda engine: engine.try_pin_prefix(pin_id, token_ids, salt))
+            pin = await llm.call(lambda engine: engine.pins.try_pin(pin_id, token_ids, salt))
             if pin is not None:
-                listing: PinnedPrefixes = await llm.call(lambda engine: engine.list_pins())
+                listing: PinnedPrefixes = await llm.call(lambda engine: engine.pins.listing())
                 return _info(pin, listing.bytes_per_block)
             await _compute(ctx, f"{pin_id}-compute-{attempt}", token_ids, salt)
     except ParameterError as exc:  # past the cap, an id in use, a cache that cannot pin
@@ -87,15 +87,15 @@ async def _compute(
 
 
 async def unpin_prefix(ctx: ServingContext, body: UnpinRequest) -> PinInfo:
-    listing: PinnedPrefixes = await ctx.async_llm.call(lambda engine: engine.list_pins())
-    pin = await ctx.async_llm.call(lambda engine: engine.unpin_prefix(body.id))
+    listing: PinnedPrefixes = await ctx.async_llm.call(lambda engine: engine.pins.listing())
+    pin = await ctx.async_llm.call(lambda engine: engine.pins.unpin(body.id))
     if pin is None:
         raise APIError(f"no pinned prefix has id {body.id!r}", "id", status=404)
     return _info(pin, listing.bytes_per_block)
 
 
 async def list_pins(ctx: ServingContext) -> PinList:
-    listing: PinnedPrefixes = await ctx.async_llm.call(lambda engine: engine.list_pins())
+    listing: PinnedPrefixes = await ctx.async_llm.call(lambda engine: engine.pins.listing())
     return PinList(
         data=[_info(pin, listing.bytes_per_block) for pin in listing.pins],
         num_pinned_blocks=listing.num_pinned_blocks,
