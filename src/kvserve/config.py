@@ -47,6 +47,7 @@ MAX_RETENTION_PRIORITY = 100
 # and 97.8% that day.  0.85 passes all of them, int4 with a margin of 6 points, and refuses a
 # dtype that changes one next token in seven (docs/prefix_cache.md).
 KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT = 0.85
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")  # vLLM's names, and SGLang's lpm
 PREFIX_CACHE_SAVE_INTERVAL_S = 30.0  # --prefix-cache-dir: new blocks are written this often
 
 
@@ -404,7 +405,32 @@ class SchedulerConfig:
         ),
     )
 
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_help(
+            "Order in which waiting requests are admitted: fcfs (arrival order), priority "
+            "(the request field `priority`, lower first, ties by arrival; vLLM's), lpm "
+            "(longest cached prefix first, device and host tier counted, so requests that "
+            "share a cached prefix run while it is cached; see --scheduling-max-wait-s).",
+            choices=SCHEDULING_POLICIES,
+        ),
+    )
+    scheduling_max_wait_s: float = field(
+        default=10.0,
+        metadata=_help(
+            "With --scheduling-policy lpm: a request that has waited this many seconds is "
+            "admitted before any that has not, whatever its cached prefix (no starvation)."
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ParameterError(
+                "--scheduling-policy",
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
+            )
+        if self.scheduling_max_wait_s <= 0:
+            raise ParameterError("--scheduling-max-wait-s", "must be positive (seconds)")
         if self.max_num_seqs <= 0:
             raise ParameterError("--max-num-seqs", "must be positive")
         if self.max_num_batched_tokens <= 0:

@@ -26,6 +26,7 @@ from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_pins import PrefixPinning
 from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
     KVCacheSizing,
     refuse_features_of_groups,
@@ -99,6 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
+            WaitingOrder(sched.scheduling_policy, sched.scheduling_max_wait_s),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
@@ -158,7 +160,8 @@ class LLMEngine:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit.
         Its cached blocks are shared only with requests of the same `cache_salt` (and the
         public prefixes with every request); once freed they are evicted after those of a
-        lower `kv_retention_priority` (0-100).  `priority` is vLLM's (lower first)."""
+        lower `kv_retention_priority` (0-100).  `priority` is vLLM's (lower first), used
+        by --scheduling-policy priority (ParameterError under another policy unless 0)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
