@@ -38,6 +38,10 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
 KV_OFFLOADING_COMPRESSIONS = ("none", "int8")
 KV_OFFLOADING_BACKENDS = ("native",)
+PREFIX_CACHE_EVICTIONS = ("arc", "lru")  # kv/eviction.py
+# A request's kv_retention_priority (TensorRT-LLM's range and default): 0 is evicted first
+DEFAULT_RETENTION_PRIORITY = 35
+MAX_RETENTION_PRIORITY = 100
 # Lowest top-1 agreement of the quantized KV cache check.  Measured on the embedded model
 # (SmolLM2-135M, 267 compared positions): float32 compute int8 99.3%, fp8_e4m3 97.4%, fp8_e5m2
 # 93.6%; bfloat16 compute 97.0%, 97.4%, 93.6%.  The 4-bit cache (int4: rotated, key offsets
@@ -45,6 +49,7 @@ KV_OFFLOADING_BACKENDS = ("native",)
 # and 97.8% that day.  0.85 passes all of them, int4 with a margin of 6 points, and refuses a
 # dtype that changes one next token in seven (docs/prefix_cache.md).
 KV_CACHE_DTYPE_CHECK_MIN_AGREEMENT = 0.85
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")  # vLLM's names, and SGLang's lpm
 PREFIX_CACHE_SAVE_INTERVAL_S = 30.0  # --prefix-cache-dir: new blocks are written this often
 
 
@@ -262,6 +267,24 @@ class CacheConfig:
             parse="size",
         ),
     )
+    prefix_cache_eviction: str = field(
+        default="arc",
+        metadata=_help(
+            "Which cached blocks the KV cache and the host tier evict first: arc (Adaptive "
+            "Replacement Cache: blocks reused since they were cached outlive one-off ones, so "
+            "a burst of long one-off prompts cannot flush a shared system prompt) or lru. "
+            "Within either, a request's kv_retention_priority orders eviction (lowest first).",
+            choices=PREFIX_CACHE_EVICTIONS,
+        ),
+    )
+    max_pinned_prefix_fraction: float = field(
+        default=0.25,
+        metadata=_help(
+            "Largest fraction (0-1) of the KV cache's blocks that pinned prefixes "
+            "(POST /v1/prefix_cache/pin) may hold together; past it a pin gets HTTP 400. "
+            "0 turns pinning off."
+        ),
+    )
     kv_cache_dtype_check: str = field(
         default="refuse",
         metadata=_help(
@@ -340,6 +363,15 @@ class CacheConfig:
             )
         if not 0.0 <= self.kv_cache_dtype_check_min_agreement <= 1.0:
             raise ParameterError("--kv-cache-dtype-check-min-agreement", "must be in [0, 1]")
+        if self.prefix_cache_eviction not in PREFIX_CACHE_EVICTIONS:
+            raise ParameterError(
+                "--prefix-cache-eviction", f"must be one of {', '.join(PREFIX_CACHE_EVICTIONS)}"
+            )
+        if not 0.0 <= self.max_pinned_prefix_fraction <= 1.0:
+            raise ParameterError(
+                "--max-pinned-prefix-fraction",
+                f"must be in [0, 1], got {self.max_pinned_prefix_fraction}",
+            )
         self.kv_events  # noqa: B018 - parses the JSON: a bad value fails at start-up
 
     @property
@@ -432,7 +464,32 @@ class SchedulerConfig:
         ),
     )
 
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_help(
+            "Order in which waiting requests are admitted: fcfs (arrival order), priority "
+            "(the request field `priority`, lower first, ties by arrival; vLLM's), lpm "
+            "(longest cached prefix first, device and host tier counted, so requests that "
+            "share a cached prefix run while it is cached; see --scheduling-max-wait-s).",
+            choices=SCHEDULING_POLICIES,
+        ),
+    )
+    scheduling_max_wait_s: float = field(
+        default=10.0,
+        metadata=_help(
+            "With --scheduling-policy lpm: a request that has waited this many seconds is "
+            "admitted before any that has not, whatever its cached prefix (no starvation)."
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ParameterError(
+                "--scheduling-policy",
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
+            )
+        if self.scheduling_max_wait_s <= 0:
+            raise ParameterError("--scheduling-max-wait-s", "must be positive (seconds)")
         if self.max_num_seqs <= 0:
             raise ParameterError("--max-num-seqs", "must be positive")
         if self.max_num_batched_tokens <= 0:

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvserve.config import RequestLimits
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY, RequestLimits
 from kvserve.errors import ParameterError
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 
@@ -170,6 +170,9 @@ class Request:
     stop_reason: int | str | None = None
     fork_of: str | None = None  # a sibling whose prompt blocks this request will share
     cache_salt: str | None = None  # its blocks are shared only with requests of this salt
+    priority: int = 0  # vLLM's: lower is served first (--scheduling-policy priority)
+    # 0-100: its cached blocks, once freed, are evicted after those of lower values
+    kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY
     # its full blocks' keys, salted: made by hash_blocks_with (the scheduler, on add_request)
     block_hashes: BlockHashes | None = field(default=None, repr=False)
 
@@ -201,3 +204,14 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.block_hashes is not None:
             self.block_hashes.extend(self.all_token_ids)
+
+
+def check_priorities(priority: int, kv_retention_priority: int) -> None:
+    """ParameterError naming `priority` or `kv_retention_priority` when out of range."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ParameterError("priority", f"must be an integer, got {_short_repr(priority)}")
+    if not 0 <= kv_retention_priority <= MAX_RETENTION_PRIORITY:
+        raise ParameterError(
+            "kv_retention_priority",
+            f"must be in [0, {MAX_RETENTION_PRIORITY}], got {_short_repr(kv_retention_priority)}",
+        )

@@ -66,6 +66,7 @@ COMPLETION_ERRORS = [
     ({"prompt": [17] * 2100, "max_tokens": 4}, "prompt", ["2100", "2048"]),
     ({"prompt": ""}, "prompt", ["empty"]),
     ({"prompt": []}, "prompt", ["empty"]),
+    ({"prompt": "hi", "priority": 3}, "priority", ["--scheduling-policy priority", "fcfs"]),
     ({}, "prompt", []),
     ({"prompt": "hi", "temperature": -1}, "temperature", []),
     ({"prompt": "hi", "temperature": 1e9}, "temperature", []),
@@ -87,6 +88,7 @@ COMPLETION_ERRORS = [
 ]
 CHAT_ERRORS = [
     ({"messages": []}, "messages", []),
+    ({"messages": HI, "priority": -1}, "priority", ["--scheduling-policy priority"]),
     ({"messages": "hi"}, "messages", []),
     ({"model": "gpt-4", "messages": HI}, "model", []),
     ({"messages": HI, "max_completion_tokens": 5000}, "max_completion_tokens", ["5000"]),

@@ -46,6 +46,8 @@ class FakeEngine:
         prompt: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = 35,
     ) -> None:
         self._touch()
         if not prompt:

@@ -86,6 +86,7 @@ def test_unsupported_architecture(tmp_path, capsys):
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--block-size", "12"], "--block-size must be a positive power of two"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be positive"),
+        (["--scheduling-max-wait-s", "0"], "--scheduling-max-wait-s must be positive"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--kv-offloading-size", "1", "--no-enable-prefix-caching"], "needs prefix caching"),
     ],

@@ -21,7 +21,7 @@ from kvserve.runner.disk_tier import DiskBlocks, block_file, keys_in
 
 
 def test_a_dropped_host_entry_is_written_before_its_slot_is_reused_and_lru_files_go():
-    host = HostTier(1, DiskTier(2))
+    host = HostTier(1, "lru", DiskTier(2))
     host.offload(7, b"k0")
     host.take_transfers()
     host.offload(3, b"k1")  # drops k0: its slot 0 goes to disk before k1's offload fills it
@@ -36,7 +36,7 @@ def test_a_dropped_host_entry_is_written_before_its_slot_is_reused_and_lru_files
 
 
 def test_an_entry_dropped_in_the_step_that_offloaded_it_is_written_from_its_device_block():
-    host = HostTier(1, DiskTier(4))
+    host = HostTier(1, "lru", DiskTier(4))
     host.offload(7, b"k0")
     host.offload(3, b"k1")  # k0's bytes are not in slot 0 yet: its device block 7 has them
     moved = host.take_transfers()

@@ -70,12 +70,10 @@ def test_request_queue_keeps_fcfs_order_and_removes_from_anywhere():
     queue.appendleft(d)
     queue.appendleft(b)
     assert [r.request_id for r in queue] == ["b", "d", "a", "c"]
-    assert queue.popleft() is b and len(queue) == 3
-    for _ in range(3):
-        queue.popleft()
-    assert not queue
-    with pytest.raises(IndexError):
-        queue.popleft()
+    assert queue.first(2) == [b, d] and queue.first(9) == [b, d, a, c] and len(queue) == 4
+    for r in (b, d, a, c):
+        assert queue.remove(r)
+    assert not queue and queue.first(3) == []
 
 
 @pytest.mark.parametrize(

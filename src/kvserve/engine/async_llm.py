@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.engine.watchdog import EngineStalledError, StallWatchdog
@@ -217,6 +218,8 @@ class AsyncLLM:
         params: SamplingParams,
         on_output: Callable[[RequestOutput], None] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> RequestStream:
         """Add a request now and return the stream of its outputs.
 
@@ -227,7 +230,11 @@ class AsyncLLM:
         end: closing an unfinished stream aborts the request and frees its blocks."""
         stream = _Stream(asyncio.get_running_loop(), OutputCollector(params.output_kind))
         try:
-            await self._submit(lambda: self._add(request_id, prompt, params, stream, cache_salt))
+            await self._submit(
+                lambda: self._add(
+                    request_id, prompt, params, stream, cache_salt, priority, kv_retention_priority
+                )  # fmt: skip
+            )
         except asyncio.CancelledError:
             self.abort(request_id)  # the add may have happened before the cancel arrived
             raise
@@ -286,12 +293,16 @@ class AsyncLLM:
         params: SamplingParams,
         stream: _Stream,
         cache_salt: str | None,
+        priority: int,
+        kv_retention_priority: int,
     ) -> None:
         limit = self.max_waiting_sequences
         if limit is not None and self.engine.num_waiting_sequences + params.n > limit:
             raise QueueFullError(self.engine.num_waiting_sequences, limit)
         # ValueError: nothing was added
-        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                priority=priority,
+                                kv_retention_priority=kv_retention_priority)  # fmt: skip
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:

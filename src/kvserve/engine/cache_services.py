@@ -11,10 +11,13 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
+from kvserve.engine.public_prefixes import public_prefix_token_ids
+from kvserve.engine.sizing import KVCacheSizing
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.event_index import CacheIndex
 from kvserve.kv.spec import KVCacheSpec
@@ -35,6 +38,7 @@ def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCache
 class PrefixCacheServices:
     def __init__(self, config: CacheConfig) -> None:
         """Opens the event sockets now (a bad endpoint fails at start-up)."""
+        self.config = config
         self.publisher = None
         self.store = None
         self._num_closed_store_errors = 0  # the store's errors, once it is closed
@@ -98,10 +102,11 @@ class PrefixCacheServices:
         if self.store is not None:
             self.store.maybe_save(cache_manager, PREFIX_CACHE_SAVE_INTERVAL_S)
 
-    def reset(self, cache_manager: KVCacheManager) -> int:
-        """Drop every cached block no request holds, in memory and on disk (the files are
-        deleted by the store's writer: this never waits for it)."""
-        num_dropped = cache_manager.reset_prefix_cache()
+    def reset(self, cache_manager: KVCacheManager, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (pinned ones too with `include_pinned`),
+        in memory and on disk (the files are deleted by the store's writer: this never waits
+        for it)."""
+        num_dropped = cache_manager.reset_prefix_cache(include_pinned)
         if self.store is not None:
             self.store.clear()
         self.after_step(cache_manager)  # publish the events now
@@ -120,3 +125,31 @@ class PrefixCacheServices:
             self.publisher.shutdown()
             self._num_dropped_event_batches = self.publisher.num_dropped
             self.publisher = None
+
+    def make_cache_manager(
+        self, sizing: KVCacheSizing, tokenizer: object, disk_keys: Sequence[bytes] = ()
+    ) -> KVCacheManager:
+        """The KV cache manager over the device blocks that every rank allocated, with the
+        events and new-block tracking these services need; the disk tier's index starts with
+        `disk_keys` (the blocks its folder holds)."""
+        cache = self.config
+        return KVCacheManager(
+            sizing.num_blocks,
+            sizing.spec.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            extra_key=sizing.spec.dtype.encode(),
+            public_prefixes=(
+                public_prefix_token_ids(cache.public_prefixes, tokenizer)
+                if cache.public_prefixes else ()
+            ),
+            enable_events=self.wants_events,
+            event_index=self.event_index,
+            track_new_blocks=self.wants_new_blocks,
+            num_host_blocks=sizing.num_host_blocks,
+            report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
+            groups=sizing.spec.groups,
+            eviction=cache.prefix_cache_eviction,
+            max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
+            num_disk_blocks=sizing.num_disk_blocks,
+            disk_keys=disk_keys,
+        )  # fmt: skip

@@ -21,12 +21,13 @@ from pathlib import Path
 
 from torch.profiler import record_function
 
-from kvserve.config import CacheConfig, EngineConfig
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
+from kvserve.engine.prefix_pins import PrefixPinning
 from kvserve.engine.prefix_store import digest, fingerprint
-from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
     KVCacheSizing,
     refuse_features_of_groups,
@@ -39,9 +40,8 @@ from kvserve.errors import ParameterError
 from kvserve.executor.abstract import Checkpoint
 from kvserve.executor.base import ExecutorFailedError
 from kvserve.executor.factory import make_executor
-from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
-from kvserve.request import RequestStatus, SamplingParams
+from kvserve.request import RequestStatus, SamplingParams, check_priorities
 from kvserve.step import RequestOutput, SchedulerOutput, SchedulerStats
 from kvserve.structured.manager import StructuredOutputManager
 from kvserve.tokenizer import load_tokenizer
@@ -60,35 +60,6 @@ class StepFailedError(RuntimeError):
 
 class EngineCorruptedError(RuntimeError):
     """An invariant of the engine's state is broken: serving must stop."""
-
-
-def make_cache_manager(
-    cache: CacheConfig,
-    sizing: KVCacheSizing,
-    tokenizer: object,
-    services: PrefixCacheServices,
-    disk_keys: list[bytes] | None = None,
-) -> KVCacheManager:
-    """The KV cache manager over the device blocks that every rank allocated; the disk
-    tier's index starts with `disk_keys` (the blocks its folder holds)."""
-    return KVCacheManager(
-        sizing.num_blocks,
-        sizing.spec.block_size,
-        enable_caching=cache.enable_prefix_caching,
-        extra_key=sizing.spec.dtype.encode(),
-        public_prefixes=(
-            public_prefix_token_ids(cache.public_prefixes, tokenizer)
-            if cache.public_prefixes else ()
-        ),
-        enable_events=services.wants_events,
-        event_index=services.event_index,
-        track_new_blocks=services.wants_new_blocks,
-        num_host_blocks=sizing.num_host_blocks,
-        report_cross_salt_misses=cache.enable_cross_salt_miss_reason,
-        groups=sizing.spec.groups,
-        num_disk_blocks=sizing.num_disk_blocks,
-        disk_keys=disk_keys or (),
-    )  # fmt: skip
 
 
 class LLMEngine:
@@ -129,12 +100,15 @@ class LLMEngine:
             str(disk_dir) if disk_dir is not None else None,
         )  # fmt: skip
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
-        disk_keys = ex.disk_tier_keys(disk_dir) if disk_dir is not None else None
-        self.cache_manager = make_cache_manager(self.config.cache, sizing, self.tokenizer,
-                                                self.services, disk_keys)  # fmt: skip
+        self.cache_manager = self.services.make_cache_manager(
+            sizing, self.tokenizer, ex.disk_tier_keys(disk_dir) if disk_dir is not None else ()
+        )
+        self.pins = PrefixPinning(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
+                               sizing.spec.bytes_per_block)  # fmt: skip
         self.scheduler = Scheduler(
             sched.max_num_seqs, sched.max_num_batched_tokens, self.max_model_len,
             self.cache_manager,
+            WaitingOrder(sched.scheduling_policy, sched.scheduling_max_wait_s),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_request)
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
@@ -204,14 +178,19 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> None:
         """Queue a request (n children for n > 1).  ValueError for one that can never fit.
         Its cached blocks are shared only with requests of the same `cache_salt` (and the
-        public prefixes with every request)."""
+        public prefixes with every request); once freed they are evicted after those of a
+        lower `kv_retention_priority` (0-100).  `priority` is vLLM's (lower first), used
+        by --scheduling-policy priority (ParameterError under another policy unless 0)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.model_config.vocab_size
         params.check_against(vocab_size, self.config.limits)
+        check_priorities(priority, kv_retention_priority)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -221,7 +200,7 @@ class LLMEngine:
             self.structured.compile(params.structured)  # compiled it on a tokenizer thread)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = make_children(request_id, token_ids, params, self.eos_token_ids, arrival,
-                                 cache_salt)  # fmt: skip
+                                 cache_salt, priority, kv_retention_priority)  # fmt: skip
         added = []
         try:
             for child in children:
@@ -258,9 +237,10 @@ class LLMEngine:
             prefix_store_errors=self.services.num_store_errors,
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds (and the store on disk); how many."""
-        num_dropped = self.services.reset(self.cache_manager)
+    def reset_prefix_cache(self, include_pinned: bool = False) -> int:
+        """Drop every cached block no request holds (and the store on disk); how many.
+        Pinned prefixes stay unless `include_pinned` (which unpins them first)."""
+        num_dropped = self.services.reset(self.cache_manager, include_pinned)
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
 

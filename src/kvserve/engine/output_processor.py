@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.engine.stopping import StopStrings
 from kvserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
 from kvserve.step import CompletionOutput, RequestOutput, TokenLogprobs
@@ -76,6 +77,8 @@ def make_children(
     eos_token_ids: frozenset[int],
     arrival_time: float,
     cache_salt: str | None,
+    priority: int = 0,
+    kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
 ) -> list[Request]:
     """The sequences of one user request: itself for n == 1, else n children `id-i`, child i
     sampling with seed + i (reproducible per sample), the later ones forks of the first."""
@@ -91,6 +94,8 @@ def make_children(
             arrival_time=arrival_time,
             fork_of=child_ids[0] if i else None,
             cache_salt=cache_salt,
+            priority=priority,
+            kv_retention_priority=kv_retention_priority,
         )
         for i, child_id in enumerate(child_ids)
     ]

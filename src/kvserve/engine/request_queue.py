@@ -1,16 +1,18 @@
-"""RequestQueue: the scheduler's FCFS waiting queue, with O(1) removal from anywhere.
+"""RequestQueue: the scheduler's waiting queue in arrival order, with O(1) removal from anywhere
+(the policies of scheduling_policy.py read it in their own order).
 
 A deque makes an abort of a waiting request O(waiting): with thousands of queued requests and
 clients that hang up, every abort would scan the queue on the engine thread.  An insertion-
 ordered dict keyed by request id keeps FCFS order and removes any entry in O(1); putting a
-request back at the front (a preempted one, or one that did not fit this step) is
-``move_to_end(last=False)``, also O(1).
+preempted request back at the front is ``move_to_end(last=False)``, also O(1); a request
+leaves the queue only when admitted (``remove``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 from kvserve.request import Request
 
@@ -24,7 +26,7 @@ class RequestQueue:
         self._requests[request.request_id] = request
 
     def appendleft(self, request: Request) -> None:
-        """Queue at the front (a preempted request, or one the pool cannot take yet)."""
+        """Queue at the front (a preempted request, or a sibling whose fork is ready)."""
         self._requests[request.request_id] = request
         self._requests.move_to_end(request.request_id, last=False)
 
@@ -32,11 +34,9 @@ class RequestQueue:
         for request in requests:
             self.append(request)
 
-    def popleft(self) -> Request:
-        """The oldest request; IndexError when empty."""
-        if not self._requests:
-            raise IndexError("pop from an empty RequestQueue")
-        return self._requests.popitem(last=False)[1]
+    def first(self, num: int) -> list[Request]:
+        """The first `num` requests in queue order, without copying the rest."""
+        return list(islice(self._requests.values(), num))
 
     def remove(self, request: Request) -> bool:
         """Drop `request` if queued; True when it was."""

@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS queues, a token budget per step, chunked prefill, preemption.
+"""Continuous batching: a token budget per step, chunked prefill, preemption, an admission
+policy (fcfs, priority, lpm).
 
 There are no prefill and decode phases.  Each request simply needs
 ``num_tokens - num_computed_tokens`` more tokens computed (a prompt many, a decode one, a
@@ -6,10 +7,13 @@ preempted request all of them again); each step hands out `max_num_batched_token
 
 1. running requests, decodes first, then unfinished prefills (a chunk of what the budget
    allows).  When the cache manager has no block for one, the most recently admitted running
-   request not yet scheduled this step is preempted by recompute: its blocks are freed (full
-   ones stay in the prefix cache), it goes back to the front of the waiting queue.
-2. then waiting requests, in arrival order, while budget, `max_num_seqs` and blocks last;
-   each first takes its longest cached prefix for free.  Admission keeps a growth reserve
+   request not yet scheduled this step (under the priority policy: the one with the highest
+   (priority, arrival)) is preempted by recompute: its blocks are freed (full ones stay in
+   the prefix cache), it goes back to the front of the waiting queue.
+2. then waiting requests, in the order of --scheduling-policy (scheduling_policy.py;
+   docs/decisions/scheduling-policy.md), while budget, `max_num_seqs` and blocks last (the
+   first that does not fit stops admission, so none is overtaken for ever); each first takes
+   its longest cached prefix for free.  Admission keeps a growth reserve
    free: a fraction of the blocks that the running requests (and the new one) may still
    need to reach prompt + max_tokens.  The fraction starts at 0 (admit while blocks last, as
    vLLM does), rises by GROWTH_RESERVE_STEP with every preemption and decays by
@@ -35,6 +39,7 @@ from __future__ import annotations
 import math
 
 from kvserve.engine.request_queue import RequestQueue
+from kvserve.engine.scheduling_policy import WaitingOrder, priority_key
 from kvserve.engine.stopping import check_stop_token
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
@@ -52,7 +57,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         cache_manager: KVCacheManager,
+        waiting_order: WaitingOrder | None = None,
     ) -> None:
+        self.order = waiting_order or WaitingOrder()  # fcfs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -78,6 +85,12 @@ class Scheduler:
                 f"({max_tokens}) + prompt ({num_prompt} tokens) = {num_prompt + max_tokens} "
                 f"exceeds max_model_len ({self.max_model_len})",
             )
+        if request.priority and self.order.policy != "priority":
+            raise ParameterError(
+                "priority",
+                f"is used only with --scheduling-policy priority (this server runs "
+                f"{self.order.policy}); omit it or send 0, got {request.priority}",
+            )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.hash_blocks_with(self.cache_manager.block_hasher)  # reads its cache_salt
@@ -99,7 +112,7 @@ class Scheduler:
         # Siblings still waiting for this request's prompt compute it themselves.
         self.waiting.extend(self._pending_forks.pop(request_id, []))
         request.status = status
-        self.cache_manager.free(request_id)
+        self.cache_manager.free(request_id, request.kv_retention_priority)
         self._finished_ids.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -149,16 +162,25 @@ class Scheduler:
         Returns False when `request` itself had to be preempted."""
         cm = self.cache_manager
         while cm.allocate_slots(request.request_id, request.num_computed_tokens, num_new) is None:
-            victim = next((r for r in reversed(self.running) if r.request_id not in done), request)
+            victim = self._victim(request, done)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
+    def _victim(self, request: Request, done: set[str]) -> Request:
+        """The running request to preempt so that `request` fits: the newest not yet
+        scheduled this step, or under the priority policy (vLLM's) the one with the highest
+        (priority, arrival); `request` itself when no other is left."""
+        if self.order.policy == "priority":
+            others = [r for r in self.running if r.request_id not in done]
+            return max(others, key=priority_key) if others else request
+        return next((r for r in reversed(self.running) if r.request_id not in done), request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.cache_manager.free(request.request_id)
+        self.cache_manager.free(request.request_id, request.kv_retention_priority)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -167,15 +189,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admit waiting requests in order.  A request whose next uncached blocks are being
+        """Admit waiting requests in the policy's order; a request leaves the queue only once
+        admitted.  A request whose next uncached blocks are being
         computed in this very step by another request reads them from there and computes only
         what follows (many requests with one system prompt arrive together: the first computes
         the prompt, the others their own suffixes, all in the first step)."""
         cm = self.cache_manager
         in_flight = self._blocks_in_flight(scheduled)
         growth = sum(self._growth_blocks(r, cm.num_blocks_of(r.request_id)) for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
+        num_slots = self.max_num_seqs - len(self.running)
+        for request in self.order.candidates(self.waiting, num_slots, self._cached_tokens):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
             cached = NO_PREFIX
             if not forked:
@@ -189,8 +214,8 @@ class Scheduler:
                 cm.allocate_slots(request.request_id, num_computed, num_new, cached, reserve)
                 is None
             ):
-                self.waiting.appendleft(request)
                 break
+            self.waiting.remove(request)
             if not forked:
                 cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens)
                 in_flight.update(cm.blocks_computed_in_step(request, num_computed, num_new))
@@ -203,6 +228,13 @@ class Scheduler:
             budget -= num_new
             growth += own_growth
         return budget
+
+    def _cached_tokens(self, request: Request) -> int:
+        """Tokens a waiting request would not compute: its cached prefix (both tiers), or
+        for a forked sibling the prompt blocks it already shares."""
+        if self.cache_manager.num_blocks_of(request.request_id):
+            return request.num_computed_tokens
+        return self.cache_manager.find_cached_prefix(request).num_tokens
 
     def _growth_blocks(self, request: Request, num_blocks_held: int) -> int:
         """Blocks `request` may still need beyond `num_blocks_held` to reach its longest

@@ -4,10 +4,14 @@ Pure Python.  A block is *free* when no request references it (ref_cnt == 0).  F
 live in one of two queues:
 
     free_uncached: blocks holding nothing reusable (never used, or freed without a hash)
-    free_cached:   blocks whose full content is hashed; LRU order, oldest first
+    free_cached:   blocks whose full content is hashed, in a kv/eviction.py policy (ARC by
+                   default: blocks reused since they were cached outlive one-off ones; LRU
+                   with --prefix-cache-eviction lru), lowest retention priority first
 
-Allocation takes uncached blocks first and only then evicts the least recently freed cached
-block (dropping its hash), so the prefix cache keeps as much as memory allows.
+Allocation takes uncached blocks first and only then evicts the policy's victim (dropping its
+hash), so the prefix cache keeps as much as memory allows.  A block is *reused* once a hit
+takes a reference to it (`touch`), or when its content is cached again soon after an
+eviction (an ARC ghost hit); `free` gives it the retention priority of its last holder.
 """
 
 from __future__ import annotations
@@ -16,26 +20,34 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
+from kvserve.kv.eviction import PrioritizedEviction
+
 
 @dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    reused: bool = False  # a hit took a reference since it was cached
 
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None
+        self,
+        num_blocks: int,
+        on_evict: Callable[[int, bytes, bool, int], None] | None = None,
+        eviction: str = "arc",
     ) -> None:
-        """`on_evict(block_id, block_hash)` is called for every cached block evicted to make
-        room, before the block is handed out (its content is still intact)."""
+        """`on_evict(block_id, block_hash, reused, retention_priority)` is called for every
+        cached block evicted to make room, before the block is handed out (its content is
+        still intact); `eviction` names the policy (kv/eviction.py)."""
         if num_blocks <= 0:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free_cached = PrioritizedEviction(eviction, num_blocks)
         self._hash_to_block: dict[bytes, int] = {}
         self.num_evictions = 0
         self._on_evict = on_evict
@@ -66,43 +78,52 @@ class BlockPool:
             if self._free_uncached:
                 block_id, _ = self._free_uncached.popitem(last=False)
             else:
-                block_id, _ = self._free_cached.popitem(last=False)
-                self._evict(block_id)
+                block_id, priority = self._free_cached.pop()
+                self._evict(block_id, priority)
             self.blocks[block_id].ref_cnt = 1
             block_ids.append(block_id)
         return block_ids
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int, retention_priority: int) -> None:
         block = self.blocks[block_id]
         block_hash = block.block_hash
         assert block_hash is not None
         del self._hash_to_block[block_hash]
         block.block_hash = None
+        reused, block.reused = block.reused, False
         self.num_evictions += 1
         if self._on_evict is not None:
-            self._on_evict(block_id, block_hash)
+            self._on_evict(block_id, block_hash, reused, retention_priority)
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on each block (a prefix-cache hit); revives free ones."""
+        """Take one more reference on each block (a prefix-cache hit: a cached block becomes
+        reused); revives free ones."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
-                self._free_cached.pop(block_id, None)
+                self._free_cached.remove(block_id)
                 self._free_uncached.pop(block_id, None)
+            if block.block_hash is not None:
+                block.reused = True
             block.ref_cnt += 1
 
-    def free(self, block_ids: Iterable[int]) -> None:
+    def free(
+        self, block_ids: Iterable[int], retention_priority: int = DEFAULT_RETENTION_PRIORITY
+    ) -> None:
         """Drop one reference on each block, in the given order.  Blocks reaching zero join the
         tail of their free queue (so callers free a chain tail-first to have tails evicted
-        first).  Raises on a double free."""
+        first), cached ones at `retention_priority`.  Raises on a double free."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block_id}")
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                queue = self._free_cached if block.block_hash is not None else self._free_uncached
-                queue[block_id] = None
+            if block.ref_cnt > 0:
+                continue
+            if block.block_hash is None:
+                self._free_uncached[block_id] = None
+            else:
+                self._free_cached.push(block_id, block.block_hash, block.reused, retention_priority)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Register a full, referenced block under its content hash.  Returns False (and leaves
@@ -112,6 +133,7 @@ class BlockPool:
         if block_hash in self._hash_to_block:
             return False
         block.block_hash = block_hash
+        block.reused = self._free_cached.note_cached(block_hash)
         self._hash_to_block[block_hash] = block_id
         return True
 
@@ -125,6 +147,7 @@ class BlockPool:
             del self._hash_to_block[block.block_hash]
             dropped.append(block.block_hash)
             block.block_hash = None
+            block.reused = False
             self._free_uncached[block_id] = None
         self._free_cached.clear()
         return dropped
@@ -156,4 +179,6 @@ class BlockPool:
                 assert block.block_hash is not None
             if block.block_hash is not None:
                 assert self._hash_to_block[block.block_hash] == block.block_id
+            else:
+                assert not block.reused, f"uncached block {block.block_id} marked reused"
         assert len(self._hash_to_block) == sum(b.block_hash is not None for b in self.blocks)

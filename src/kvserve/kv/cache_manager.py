@@ -39,6 +39,11 @@ free-but-cached.
   counts only when every group has what it needs.  ``block_table`` is group 0's table,
   ``group_block_tables`` the others'.  The host tier and the block log (events, the store)
   serve a cache of one full-attention group (the engine refuses them otherwise).
+* Eviction (kv/eviction.py, ``eviction``): ARC by default in the pool and the host tier, so
+  that blocks reused since they were cached outlive one-off ones; ``free`` gives a request's
+  blocks its retention priority (lower ones are evicted first).
+* Pins (kv/pins.py): ``try_pin_prefix`` holds the full blocks of a cached prefix for good
+  (up to ``max_pinned_blocks``); ``reset_prefix_cache`` keeps them unless ``include_pinned``.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
   a block is never written while shared: ``allocate_slots`` copies it first (copy on write)
   and queues the (src, dst) copy for the runner (``take_block_copies``).
@@ -50,6 +55,7 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
@@ -66,6 +72,7 @@ from kvserve.kv.groups import (
 )
 from kvserve.kv.host_tier import HostTier, HostTransfers
 from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
+from kvserve.kv.pins import Pin, PrefixPins
 from kvserve.kv.spec import KVCacheGroup, blocks_kept, cdiv
 
 
@@ -149,6 +156,8 @@ class KVCacheManager:
         num_disk_blocks: int = 0,
         disk_keys: Sequence[bytes] = (),
         event_index: CacheIndex | None = None,
+        eviction: str = "arc",
+        max_pinned_blocks: int = 0,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -158,15 +167,17 @@ class KVCacheManager:
         nothing of each other); `groups` the KV cache groups (kv/spec.py; none: one group of
         full attention); `event_index` the index that events update (with events on; None: a
         new one, `event_index` of this manager), which a subscriber's snapshot reads;
-        `num_disk_blocks` the disk tier's capacity below the host tier (--kv-offloading-dir;
-        0: none), `disk_keys` the keys its directory holds already."""
+        `eviction` the policy of both tiers (kv/eviction.py); `max_pinned_blocks` the cap of
+        pinned blocks (kv/pins.py); `num_disk_blocks` the disk tier's capacity below the
+        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
         self._one_full_group = self.windows == (0,)
         self.enable_caching = enable_caching
         self.block_hasher = BlockHasher(block_size, extra_key, public_prefixes, enable_caching)
-        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
+        self.pool = BlockPool(num_blocks, on_evict=self._on_evict, eviction=eviction)
+        self.pins = PrefixPins(self.pool, max_pinned_blocks)
         self._tables: dict[str, list[list[int]]] = {}  # request id -> a table per group
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -175,7 +186,10 @@ class KVCacheManager:
         self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
         self.event_index = self._log.index
         disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
-        self.host = HostTier(num_host_blocks, disk) if num_host_blocks and enable_caching else None
+        self.host = (
+            HostTier(num_host_blocks, eviction, disk)
+            if num_host_blocks and enable_caching else None
+        )  # fmt: skip
 
     @property
     def num_free_blocks(self) -> int:
@@ -573,12 +587,12 @@ class KVCacheManager:
             return False
         return self.pool.cache(block_id, key)
 
-    def _on_evict(self, block_id: int, key: bytes) -> None:
+    def _on_evict(self, block_id: int, key: bytes, reused: bool, priority: int) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
         when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
         host = self.host
         held = host is not None and key in host
-        kept, dropped = host.offload(block_id, key) if host is not None else (False, [])
+        kept, dropped = host.offload(block_id, key, reused, priority) if host else (False, [])
         self._log_disk_changes()
         self._log.removed(dropped, MEDIUM_CPU)
         if kept and not held:
@@ -599,9 +613,12 @@ class KVCacheManager:
         self._log.copied(stored, MEDIUM_CPU, MEDIUM_DISK)
         self._log.removed(deleted, MEDIUM_DISK)
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block that no request holds (blocks in use stay cached); returns
-        how many were dropped.  Later lookups of their content count as `evicted` misses."""
+    def reset_prefix_cache(self, include_pinned: bool = False) -> int:
+        """Drop every cached block that no request holds (blocks in use stay cached, pinned
+        ones too unless `include_pinned`, which unpins them first); returns how many were
+        dropped.  Later lookups of their content count as `evicted` misses."""
+        if include_pinned:
+            self.pins.unpin_all()
         dropped = self.pool.drop_free_cached()
         host_keys = self.host.clear() if self.host is not None else []
         disk_keys = self.host.clear_disk() if self.host is not None else []
@@ -654,12 +671,27 @@ class KVCacheManager:
         KV dtype's store), so that missing them counts as `isolated`."""
         self._misses.record_foreign(contents, keys)
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first) and forget its table."""
+    def free(self, request_id: str, retention_priority: int = DEFAULT_RETENTION_PRIORITY) -> None:
+        """Release the request's blocks (tail first, at its `retention_priority`: lower ones
+        are evicted first) and forget its table."""
         tables = self._tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         for table in tables or ():
-            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+            self.pool.free((b for b in reversed(table) if b != NULL_BLOCK), retention_priority)
+
+    def pinnable_keys(self, hashes: BlockHashes) -> list[bytes]:
+        """The keys of the full blocks that `hashes` (block_hasher.for_request, extended with
+        a prefix's tokens) cover: what a request with those tokens would look up.  ValueError
+        with caching off or several groups."""
+        if not self.enable_caching or not self._one_full_group:
+            raise ValueError("pinning needs prefix caching and one full-attention KV group")
+        return list(hashes.keys)
+
+    def try_pin_prefix(self, pin_id: str, hashes: BlockHashes) -> Pin | None:
+        """Pin the cached full blocks that `hashes` cover (kv/pins.py); None when some are
+        not cached on the device (compute the prefix, then try again).  PinLimitError past
+        the cap, ValueError for an id in use or a cache that cannot pin."""
+        return self.pins.try_pin(pin_id, self.pinnable_keys(hashes), self.block_size)
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request holds, every group's."""
@@ -671,7 +703,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.host is not None:
             self.host.check_invariants()
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict(self.pins.references())
         for tables in self._tables.values():
             held = [b for t in tables for b in t if b != NULL_BLOCK]
             assert len(set(held)) == len(held), "a request holds a block twice"
@@ -680,6 +712,7 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), f"ref count of {block.block_id}"
         assert self.pool.num_free_blocks + len(refs) == self.pool.num_blocks
+        assert self.pins.num_pinned_blocks <= max(self.pins.max_blocks, 0)
 
 
 class _EitherTier:

@@ -1,5 +1,6 @@
 """The host-memory tier of the prefix cache (--kv-offloading-size): which block keys sit in
-which host slot, in LRU order, and the copies the runner must make.  Pure Python.
+which host slot, which to drop first (kv/eviction.py: ARC by default), and the copies the
+runner must make.  Pure Python.
 
 A cached block that the device pool evicts is not lost: its K/V is copied into a host slot
 (*offload*, device block -> host slot) and kept there under the same chained key.  A later
@@ -8,7 +9,7 @@ the slot (*load*, host slot -> device block) instead of recomputing those tokens
 request's full blocks take the same path: freed (still cached) on the device, offloaded when
 evicted, loaded back when it resumes.
 
-    device pool  --evict-->  offload (block, slot)  -->  host slots (LRU)
+    device pool  --evict-->  offload (block, slot)  -->  host slots (eviction policy)
     lookup miss on device, hit here  -->  load (block, slot)  -->  device block, cached again
 
 The host keeps its copy after a load (the content under a key never changes), so evicting that
@@ -24,55 +25,56 @@ finds the key on disk *promotes* it: a host slot, pinned, is filled from the fil
 and then loaded like any host hit.  An entry dropped in the step that offloaded it has no
 bytes in its slot yet: its file is written from the device block instead (*device_to_disk*,
 which still holds them until the step's loads and forward pass).
+
+A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
+reused for the host's policy too; it keeps the retention priority it had on the device.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.disk_tier import DiskTier
+from kvserve.kv.eviction import PrioritizedEviction
 
 
 @dataclass
 class HostTierStats:
     num_offloaded_blocks: int = 0  # device -> host copies
     num_loaded_blocks: int = 0  # host -> device copies (host-tier hits)
-    num_dropped_blocks: int = 0  # host entries evicted (LRU) to make room
+    num_dropped_blocks: int = 0  # host entries evicted (by the policy) to make room
 
 
 @dataclass
 class HostTransfers:
     """One step's copies, in this order: to_disk (host slot, key) and device_to_disk (device
-    block, key), from_disk (key, host slot),
-    offloads (device block, host slot), loads (device block, host slot); then the files of
-    disk_deletes go."""
+    block, key), from_disk (key, host slot), offloads (device block, host slot), loads (device
+    block, host slot); then the files of disk_deletes go."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     to_disk: list[tuple[int, bytes]] = field(default_factory=list)
-    device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, key)
+    device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)
     from_disk: list[tuple[bytes, int]] = field(default_factory=list)
     disk_deletes: list[bytes] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return any((self.offloads, self.loads, self.to_disk, self.device_to_disk,
-                    self.from_disk, self.disk_deletes))  # fmt: skip
-
 
 class HostTier:
-    def __init__(self, num_slots: int, disk: DiskTier | None = None) -> None:
+    def __init__(self, num_slots: int, eviction: str = "arc", disk: DiskTier | None = None) -> None:
         if num_slots < 0:
             raise ValueError(f"a host tier needs >= 0 slots, got {num_slots}")
         self.num_slots = num_slots
         self.disk = disk
-        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
-        self._pinned: set[int] = set()
         # Slots filled in this step: by the offload of a device block, or (None) from disk.
         self._fresh: dict[int, int | None] = {}
-        self._transfers = HostTransfers()
         self._disk_changes: tuple[list[bytes], list[bytes]] = ([], [])  # (stored, deleted)
+        self._slot_of: dict[bytes, int] = {}
+        self._evictable = PrioritizedEviction(eviction, num_slots)  # keys not pinned
+        self._priority_of: dict[bytes, int] = {}  # a pinned key's, to push it back
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._pinned: set[bytes] = set()
+        self._transfers = HostTransfers()
         self.stats = HostTierStats()
 
     @property
@@ -84,48 +86,59 @@ class HostTier:
         return len(self._slot_of) / self.num_slots if self.num_slots else 0.0
 
     @property
-    def num_unpinned_slots(self) -> int:
-        return self.num_slots - len(self._pinned)
-
-    @property
     def keys(self) -> list[bytes]:
         """The keys held, least recently used first."""
         return list(self._slot_of)
+
+    @property
+    def num_unpinned_slots(self) -> int:
+        return self.num_slots - len(self._pinned)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
 
     def lookup(self, key: bytes) -> int | None:
-        """The slot holding this key's K/V, if any (no LRU change: a lookup is not a use)."""
+        """The slot holding this key's K/V, if any (a lookup is not a use)."""
         return self._slot_of.get(key)
 
-    def offload(self, block_id: int, key: bytes) -> tuple[bool, list[bytes]]:
-        """The device evicts `block_id`, cached under `key`: keep its content here.
+    def offload(
+        self,
+        block_id: int,
+        key: bytes,
+        reused: bool = False,
+        retention_priority: int = DEFAULT_RETENTION_PRIORITY,
+    ) -> tuple[bool, list[bytes]]:
+        """The device evicts `block_id`, cached under `key` (`reused` and at
+        `retention_priority` there): keep its content here.
 
         Returns (kept, dropped): whether the key is now held here (queuing a copy unless it
-        already was), and the keys evicted from the host to make room (LRU, never a pinned
-        slot).  kept is False when every slot is pinned or there are none."""
-        slot = self._slot_of.get(key)
-        if slot is not None:
-            self._slot_of.move_to_end(key)
+        already was), and the keys evicted from the host to make room (the policy's victims,
+        never a pinned slot).  kept is False when every slot is pinned or there are none."""
+        if key in self._slot_of:
+            if key not in self._pinned:  # held already: a use, at the device's priority
+                self._evictable.remove(key)
+                self._evictable.push(key, key, reused, retention_priority)
             return True, []
         slot, dropped = self._take_slot()
         if slot is None:
             return False, []
         self._slot_of[key] = slot
         self._fresh[slot] = block_id
+        self._evictable.push(key, key, reused or self._evictable.note_cached(key),
+                             retention_priority)  # fmt: skip
         self._transfers.offloads.append((block_id, slot))
         self.stats.num_offloaded_blocks += 1
         return True, dropped
 
     def _take_slot(self) -> tuple[int | None, list[bytes]]:
-        """A free slot, or the LRU unpinned entry's (dropped, to disk when there is one);
-        None when every slot is pinned."""
+        """A free slot, or the policy's victim's (dropped, to disk when there is one); None
+        when every slot is pinned."""
         dropped: list[bytes] = []
         if not self._free_slots:
-            victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
-            if victim is None:
+            if not self._evictable:
                 return None, []
+            victim = self._evictable.pop().item
+            assert isinstance(victim, bytes)
             victim_slot = self._slot_of.pop(victim)
             self._free_slots.append(victim_slot)
             self.stats.num_dropped_blocks += 1
@@ -161,7 +174,7 @@ class HostTier:
         return key in self._slot_of or (self.disk is not None and key in self.disk)
 
     def promote(self, key: bytes) -> list[bytes] | None:
-        """Bring `key` from the disk tier into a host slot (pinned for this step), so that
+        """Bring `key` from the disk tier into a host slot, pinned for this step, so that
         `load` can fill a device block from it.  Returns the keys dropped from here to make
         room (to disk), None when every slot is pinned."""
         assert self.disk is not None and key in self.disk and key not in self._slot_of
@@ -169,7 +182,8 @@ class HostTier:
         if slot is None:
             return None
         self._slot_of[key] = slot
-        self._pinned.add(slot)
+        self._pinned.add(key)
+        self._priority_of[key] = DEFAULT_RETENTION_PRIORITY
         self._fresh[slot] = None
         self._transfers.from_disk.append((key, slot))
         self.disk.read(key)
@@ -177,30 +191,45 @@ class HostTier:
 
     def load(self, key: bytes, block_id: int) -> None:
         """Fill device block `block_id` from the slot of `key` (found by `lookup` in this
-        step); the slot is pinned until the step's transfers are taken."""
-        slot = self._slot_of[key]
-        self._slot_of.move_to_end(key)
-        self._pinned.add(slot)
-        self._transfers.loads.append((block_id, slot))
+        step, pinned by `pin`) until the step's transfers are taken."""
+        assert key in self._pinned, "pin a key before loading it"
+        self._transfers.loads.append((block_id, self._slot_of[key]))
         self.stats.num_loaded_blocks += 1
 
     def pin(self, keys: list[bytes]) -> None:
-        """Keep these keys' slots through this step (a load of them is about to be queued)."""
-        self._pinned.update(self._slot_of[k] for k in keys)
+        """Keep these keys' slots through this step (a load of them is about to be queued):
+        out of the policy until `take_transfers`, which puts them back as reused (a hit)."""
+        for key in keys:
+            if key not in self._pinned:
+                self._priority_of[key] = self._priority_in_policy(key)
+                self._evictable.remove(key)
+                self._pinned.add(key)
+
+    def _priority_in_policy(self, key: bytes) -> int:
+        victim = self._evictable.priority_of(key)
+        return DEFAULT_RETENTION_PRIORITY if victim is None else victim
 
     def take_transfers(self) -> HostTransfers:
         """The copies queued since the last call; unpins every slot."""
         transfers, self._transfers = self._transfers, HostTransfers()
+        for key in self._pinned:
+            if key in self._slot_of:  # not cleared meanwhile
+                self._evictable.push(key, key, True, self._priority_of[key])
         self._pinned.clear()
+        self._priority_of.clear()
         self._fresh.clear()
         return transfers
 
     def clear(self) -> list[bytes]:
-        """Forget every entry (a prefix cache reset); returns the keys, LRU first.  Copies
-        already queued still run (their slots are simply free afterwards)."""
-        keys = list(self._slot_of)
+        """Forget every entry (a prefix cache reset); returns the keys, in eviction order.
+        Copies already queued still run (their slots are simply free afterwards)."""
+        keys = [k for k in self._evictable if isinstance(k, bytes)]
+        keys += [k for k in self._slot_of if k in self._pinned]
         self._free_slots.extend(self._slot_of[k] for k in reversed(keys))
         self._slot_of.clear()
+        self._evictable.clear()
+        self._pinned.clear()
+        self._priority_of.clear()
         return keys
 
     def clear_disk(self) -> list[bytes]:
@@ -216,3 +245,5 @@ class HostTier:
         assert len(used) == len(self._slot_of), "two keys in one host slot"
         assert not used & set(self._free_slots), "a host slot both used and free"
         assert len(used) + len(self._free_slots) == self.num_slots, "host slots lost"
+        assert len(self._evictable) + len(self._pinned) == len(self._slot_of), "policy entries"
+        assert all(k in self._slot_of for k in self._pinned), "a pinned key without a slot"

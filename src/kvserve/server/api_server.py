@@ -27,6 +27,7 @@ from kvserve.config import EngineConfig, RequestLimits
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.errors import ParameterError
 from kvserve.flags import non_default_flags
+from kvserve.server import prefix_pins
 from kvserve.server.args import ServerConfig
 from kvserve.server.errors import APIError, error_response, install_error_handlers, parse_body
 from kvserve.server.metrics import ServerMetrics
@@ -38,8 +39,10 @@ from kvserve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PinRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnpinRequest,
 )
 from kvserve.server.serving import ServingContext
 from kvserve.server.serving_chat import ChatHandler, chat_token_ids
@@ -107,11 +110,28 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
+    async def reset_prefix_cache(include_pinned: bool = False) -> JSONResponse:
         """Drop every cached block no request holds, on the engine thread (behind the API key
-        like every route but /health and /metrics)."""
-        num_dropped = await ctx.async_llm.call(lambda engine: engine.reset_prefix_cache())
+        like every route but /health and /metrics); pinned prefixes stay unless
+        ?include_pinned=true."""
+        num_dropped = await ctx.async_llm.call(
+            lambda engine: engine.reset_prefix_cache(include_pinned)
+        )
         return JSONResponse({"num_blocks_dropped": num_dropped})
+
+    @app.post("/v1/prefix_cache/pin")
+    async def pin(raw: Request) -> JSONResponse:
+        info = await prefix_pins.pin_prefix(ctx, await parse_body(raw, PinRequest))
+        return JSONResponse(info.model_dump())
+
+    @app.post("/v1/prefix_cache/unpin")
+    async def unpin(raw: Request) -> JSONResponse:
+        info = await prefix_pins.unpin_prefix(ctx, await parse_body(raw, UnpinRequest))
+        return JSONResponse(info.model_dump())
+
+    @app.get("/v1/prefix_cache/pins")
+    async def pins() -> JSONResponse:
+        return JSONResponse((await prefix_pins.list_pins(ctx)).model_dump())
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:

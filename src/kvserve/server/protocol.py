@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from kvserve.config import DEFAULT_RETENTION_PRIORITY
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -44,6 +46,11 @@ class SamplingRequest(BaseModel):
     # vLLM's: the request's cached blocks are shared only with requests of the same salt
     # (blocks inside a --public-prefixes prefix with every request)
     cache_salt: str | None = None
+    # vLLM's scheduling priority (lower is served first, with --scheduling-policy priority)
+    priority: int = 0
+    # 0-100 (TensorRT-LLM's retention priority): the request's cached blocks, once it ends,
+    # are evicted after those of requests with a lower value (docs/prefix_cache.md)
+    kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY
     # Constrained decoding (server/structured_fields.py): at most one of them
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
@@ -290,3 +297,32 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class PinRequest(BaseModel):
+    """POST /v1/prefix_cache/pin: exactly one of prompt (text or token ids) and messages."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+    id: str | None = None  # chosen by the server when absent
+
+
+class UnpinRequest(BaseModel):
+    id: str
+
+
+class PinInfo(BaseModel):
+    id: str
+    object: Literal["prefix_cache.pin"] = "prefix_cache.pin"
+    num_tokens: int  # pinned: the prompt's full blocks
+    num_blocks: int
+    bytes: int  # KV cache bytes the pin holds
+
+
+class PinList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PinInfo]
+    num_pinned_blocks: int  # distinct blocks (pins may share a prefix)
+    max_pinned_blocks: int  # --max-pinned-prefix-fraction of the KV cache

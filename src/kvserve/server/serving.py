@@ -11,7 +11,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
-from kvserve.config import RequestLimits
+from kvserve.config import DEFAULT_RETENTION_PRIORITY, RequestLimits
 from kvserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from kvserve.errors import ParameterError, QueueFullError
 from kvserve.request import RequestOutputKind, SamplingParams
@@ -117,6 +117,8 @@ class ServingContext:
         token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> RequestStream:
         """Add a validated request; its outputs feed the latency metrics as they are read.
         Its grammar, if any, is compiled and validated first, on a tokenizer thread."""
@@ -126,8 +128,9 @@ class ServingContext:
         tracker = self.metrics.start_request()
         try:
             return await self.async_llm.add_request(
-                request_id, token_ids, params, on_output=tracker.observe, cache_salt=cache_salt
-            )
+                request_id, token_ids, params, on_output=tracker.observe, cache_salt=cache_salt,
+                priority=priority, kv_retention_priority=kv_retention_priority,
+            )  # fmt: skip
         except ParameterError as exc:  # what only the engine knows; validation catches the rest
             raise APIError(str(exc), exc.param) from None
         except QueueFullError as exc:
@@ -141,14 +144,20 @@ class ServingContext:
         prompts: list[list[int]],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
+        kv_retention_priority: int = DEFAULT_RETENTION_PRIORITY,
     ) -> list[RequestStream]:
         """Start one request per prompt (ids "<id>-<i>"); all or none."""
-        if len(prompts) == 1:
-            return [await self.start(request_id, prompts[0], params, cache_salt)]
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
         streams: list[RequestStream] = []
         try:
-            for i, token_ids in enumerate(prompts):
-                streams.append(await self.start(f"{request_id}-{i}", token_ids, params, cache_salt))
+            for sub_id, token_ids in zip(ids, prompts, strict=True):
+                streams.append(await self.start(sub_id, token_ids, params, cache_salt, priority,
+                                                kv_retention_priority))  # fmt: skip
         except BaseException:
             for stream in streams:
                 stream.close()

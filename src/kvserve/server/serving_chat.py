@@ -167,7 +167,8 @@ class ChatHandler(Handler):
             params = replace(params, max_tokens=max_tokens)
         ctx.check_fits(len(token_ids), max_tokens, "messages", max_field)
         request_id = new_id("chatcmpl")
-        stream = await ctx.start(request_id, token_ids, params, cache_salt)
+        stream = await ctx.start(request_id, token_ids, params, cache_salt, body.priority,
+                                 body.kv_retention_priority)  # fmt: skip
         if body.stream:
             events = self._stream(request_id, body, tools, params.n, stream)
             return SSEResponse(events, [stream], ctx.stream_stall_timeout)

@@ -61,8 +61,9 @@ class CompletionsHandler(Handler):
             ctx.check_fits(len(prompt.token_ids), max_tokens, "prompt", "max_tokens")
         request_id = new_id("cmpl")
         streams = await ctx.start_all(
-            request_id, [p.token_ids for p in prompts], params, cache_salt
-        )
+            request_id, [p.token_ids for p in prompts], params, cache_salt, body.priority,
+            body.kv_retention_priority,
+        )  # fmt: skip
         if body.stream:
             events = self._stream(request_id, body, prompts, params, streams)
             return SSEResponse(events, streams, ctx.stream_stall_timeout)
