@@ -36,6 +36,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # The MLP gate activations the model runs (Hugging Face's names): SiLU, and Gemma's tanh GELU.
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 KV_CACHE_DTYPE_CHECKS = ("refuse", "fallback", "off")
+KV_OFFLOADING_COMPRESSIONS = ("none", "int8")
+KV_OFFLOADING_BACKENDS = ("native",)
 PREFIX_CACHE_EVICTIONS = ("arc", "lru")  # kv/eviction.py
 # A request's kv_retention_priority (TensorRT-LLM's range and default): 0 is evicted first
 DEFAULT_RETENTION_PRIORITY = 35
@@ -180,6 +182,45 @@ class CacheConfig:
             metavar="GIB",
         ),
     )
+    kv_offloading_backend: str = field(
+        default="native",
+        metadata=_help(
+            "vLLM's flag: what moves blocks to the tiers. kvserve has its own (native) only; "
+            "vLLM's lmcache is not served.",
+            choices=KV_OFFLOADING_BACKENDS,
+        ),
+    )
+    kv_offloading_compression: str | None = field(
+        default=None,
+        metadata=_help(
+            "How the host tier stores a block: int8 (8-bit codes and a float32 scale per "
+            "token and head, kvserve's int8 KV format: ~3.6x the blocks of a float32 cache "
+            "in the same GiB, ~1.9x of a bfloat16 one; a hit is dequantized into the cache "
+            "block) or none (the cache's own bytes). Default: int8 on a CPU, where the tier "
+            "shares RAM with the KV cache and holds more only when compressed; none on a GPU. "
+            "A cache already quantized (--kv-cache-dtype) is stored as it is.",
+            choices=KV_OFFLOADING_COMPRESSIONS,
+        ),
+    )
+    kv_offloading_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "A disk tier below the host tier (needs --kv-offloading-size): blocks the host "
+            "tier drops are written to files in DIR/<fingerprint> by a thread, in the host "
+            "tier's format, and read back into it on a hit instead of being recomputed; a "
+            "restarted server (or another one of the same model, dtypes and block size) finds "
+            "them. See docs/prefix_cache.md.",
+            metavar="DIR",
+        ),
+    )
+    kv_offloading_dir_size: int = field(
+        default=16 * 2**30,
+        metadata=_help(
+            "Size budget of --kv-offloading-dir, e.g. 16GiB: whole blocks, the least "
+            "recently used files go first.",
+            parse="size",
+        ),
+    )
     public_prefixes: str | None = field(
         default=None,
         metadata=_help(
@@ -285,9 +326,27 @@ class CacheConfig:
     def _validate_offloading(self) -> None:
         size = self.kv_offloading_size
         if size is None:
+            if self.kv_offloading_dir is not None:
+                raise ParameterError(
+                    "--kv-offloading-dir",
+                    "is the tier below the host tier: add --kv-offloading-size GIB",
+                )
             return
         if not size > 0:  # also refuses NaN
             raise ParameterError("--kv-offloading-size", f"must be positive GiB, got {size}")
+        if self.kv_offloading_dir_size <= 0:
+            raise ParameterError("--kv-offloading-dir-size", "must be positive, e.g. 16GiB")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ParameterError(
+                "--kv-offloading-backend",
+                f"must be native (kvserve's own tiers), got {self.kv_offloading_backend!r}",
+            )
+        compression = self.kv_offloading_compression
+        if compression is not None and compression not in KV_OFFLOADING_COMPRESSIONS:
+            raise ParameterError(
+                "--kv-offloading-compression",
+                f"must be one of {', '.join(KV_OFFLOADING_COMPRESSIONS)}, got {compression!r}",
+            )
         if not self.enable_prefix_caching:
             raise ParameterError(
                 "--kv-offloading-size",

@@ -42,6 +42,24 @@ class SchedulerOutput:
     # first every offload (device -> host), then every load (host -> device).
     blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
     blocks_from_host: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier's (--kv-offloading-dir), before those: host slots written to files (host
+    # slot, key), then files read into host slots (key, host slot); after every copy, the
+    # files of these keys are deleted.
+    host_to_disk: list[tuple[int, bytes]] = field(default_factory=list)
+    device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
+    disk_to_host: list[tuple[bytes, int]] = field(default_factory=list)
+    disk_deletes: list[bytes] = field(default_factory=list)
+
+    @property
+    def has_tier_copies(self) -> bool:
+        """Whether the step copies blocks between tiers (a failed step may have made only
+        some of them)."""
+        return bool(self.blocks_to_host or self.blocks_from_host or self.disk_to_host)
+
+    @property
+    def has_disk_copies(self) -> bool:
+        return bool(self.host_to_disk or self.device_to_disk or self.disk_to_host)
+
     # Constrained decoding (kvserve/structured/): row i of `grammar_bitmask`, a numpy int32
     # array [R, ceil(tokenizer vocab / 32)] whose bit t (word t // 32, bit t % 32) is set where
     # token t is allowed next, masks the logits of grammar_request_ids[i]; tokens past the

@@ -1,6 +1,7 @@
 """The host tier (--kv-offloading-size) through the whole engine, on a CPU: a tiny device
 cache forces eviction and preemption; the blocks come back from host memory bit for bit, the
 greedy tokens equal a run without the tier, and the counters say which tier served them.
+Uncompressed (--kv-offloading-compression none) unless a test says int8, the CPU's default.
 
 Tiny random Llama (2 layers, 2 KV heads of 16 dims, float32): 512 bytes/token, 8 KiB a block
 of 16 tokens; the device cache holds 12 blocks (192 tokens), the host tier 1 MiB (128 blocks)."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve import kv_quant as quant
 from kvserve.engine.llm_engine import StepFailedError
 from kvserve.errors import ParameterError
 
@@ -28,6 +30,7 @@ def tiny_dir(tiny_model_dir):
 
 
 def make(tiny_dir, offloading: float | None, num_blocks: int = 12, **kw) -> LLM:
+    kw.setdefault("kv_offloading_compression", "none")
     return LLM(
         tiny_dir, dtype="float32", block_size=BLOCK, max_model_len=12 * BLOCK,
         kv_cache_memory=num_blocks * BLOCK_BYTES, kv_offloading_size=offloading, **kw,
@@ -91,6 +94,24 @@ def test_evicted_prefix_blocks_come_back_from_host_memory(tiny_dir):
     llm.engine.cache_manager.check_invariants()
 
 
+def test_the_int8_tier_holds_3_2x_the_blocks_and_returns_the_dequantized_codes(tiny_dir):
+    """The CPU's default: 1 MiB holds 409 int8 blocks (2,560 bytes: 1-byte codes + a float32
+    scale per token and head) where float32 holds 128; a hit comes back as the stored codes
+    dequantized, the greedy tokens here unchanged."""
+    llm = make(tiny_dir, HOST_GIB, kv_offloading_compression=None)
+    assert llm.engine.sizing.num_host_blocks == 2**20 // 2560 == 409
+    first, kv_first = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    again, kv_again = generate(llm, "a2", A, 8)
+    assert llm.engine.get_stats().num_loaded_blocks == 2
+    assert torch.equal(kv_again[:, :, :2], kv_first[:, :, :2])  # still on the device
+    stored = kv_first[:, :, 2:]
+    codes, scale = quant.quantize(stored.reshape(-1, *stored.shape[-2:]), "int8")
+    expected = quant.dequantize(codes, scale, "int8", torch.float32).view_as(stored)
+    assert torch.equal(kv_again[:, :, 2:], expected) and not torch.equal(expected, stored)
+    assert again == first
+
+
 def test_a_preempted_request_resumes_from_host_memory_without_recompute(tiny_dir):
     prompts = [A[:60], B[:60]]  # 4 blocks each, growing to 9 with 70 outputs: 18 > 12
     params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
@@ -142,3 +163,29 @@ def test_a_step_failing_around_host_copies_forgets_both_tiers(tiny_dir):
 def test_the_host_tier_needs_prefix_caching(tiny_dir):
     with pytest.raises(ParameterError, match="--kv-offloading-size"):
         make(tiny_dir, HOST_GIB, enable_prefix_caching=False)
+
+
+def test_blocks_the_host_tier_drops_come_back_from_disk_and_after_a_restart(tiny_dir, tmp_path):
+    """A 5-block host tier over a disk tier: A's blocks go device -> host -> disk as B and C
+    pass; A again finds them on disk, bit for bit, and so does a new engine on the folder.
+    (A hit's run goes through at most the host's unpinned slots: 5 >= A's 4 blocks.)"""
+    C = [(i * 7727) % 40000 + 13 for i in range(150)]
+    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20)
+    llm = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
+    assert llm.engine.sizing.num_disk_blocks == 128
+    first, kv_first = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    generate(llm, "c", C, 8)
+    host = llm.engine.cache_manager.host
+    assert host.disk is not None and host.disk.stats.num_written_blocks >= 2
+    again, kv_again = generate(llm, "a2", A, 8)
+    stats = llm.engine.get_stats()
+    assert host.disk.stats.num_read_blocks == 4  # all of A's blocks came back from disk
+    assert stats.prefix_cache_host_hits == stats.prefix_cache_hits == 64
+    assert torch.equal(kv_again, kv_first) and again == first
+    llm.engine.executor.driver_worker.runner.disk_blocks.flush()
+    restarted = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
+    assert len(restarted.engine.cache_manager.host.disk) == host.disk.stats.num_written_blocks
+    third, kv_third = generate(restarted, "a3", A, 8)
+    assert restarted.engine.get_stats().prefix_cache_host_hits == 64  # all 4 blocks, from disk
+    assert torch.equal(kv_third, kv_first) and third == first

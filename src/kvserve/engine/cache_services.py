@@ -11,6 +11,7 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,9 +126,12 @@ class PrefixCacheServices:
             self._num_dropped_event_batches = self.publisher.num_dropped
             self.publisher = None
 
-    def make_cache_manager(self, sizing: KVCacheSizing, tokenizer: object) -> KVCacheManager:
+    def make_cache_manager(
+        self, sizing: KVCacheSizing, tokenizer: object, disk_keys: Sequence[bytes] = ()
+    ) -> KVCacheManager:
         """The KV cache manager over the device blocks that every rank allocated, with the
-        events and new-block tracking these services need."""
+        events and new-block tracking these services need; the disk tier's index starts with
+        `disk_keys` (the blocks its folder holds)."""
         cache = self.config
         return KVCacheManager(
             sizing.num_blocks,
@@ -146,4 +150,6 @@ class PrefixCacheServices:
             groups=sizing.spec.groups,
             eviction=cache.prefix_cache_eviction,
             max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
+            num_disk_blocks=sizing.num_disk_blocks,
+            disk_keys=disk_keys,
         )  # fmt: skip

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from torch.profiler import record_function
 
@@ -24,13 +25,14 @@ from kvserve.config import DEFAULT_RETENTION_PRIORITY, EngineConfig
 from kvserve.engine.cache_services import PrefixCacheServices, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_pins import PrefixPinning
-from kvserve.engine.prefix_store import fingerprint
+from kvserve.engine.prefix_store import digest, fingerprint
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
     KVCacheSizing,
     refuse_features_of_groups,
     resolve_max_model_len,
+    size_disk_tier,
     size_host_tier,
     size_kv_cache,
 )
@@ -92,9 +94,15 @@ class LLMEngine:
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
         self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
-        ex.initialize_kv_caches(sizing.spec, sizing.num_blocks, sizing.num_host_blocks)
+        disk_dir = self._disk_tier_dir()
+        ex.initialize_kv_caches(
+            sizing.spec, sizing.num_blocks, sizing.num_host_blocks, sizing.host_dtype,
+            str(disk_dir) if disk_dir is not None else None,
+        )  # fmt: skip
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
-        self.cache_manager = self.services.make_cache_manager(sizing, self.tokenizer)
+        self.cache_manager = self.services.make_cache_manager(
+            sizing, self.tokenizer, ex.disk_tier_keys(disk_dir) if disk_dir is not None else ()
+        )
         self.pins = PrefixPinning(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
                                sizing.spec.bytes_per_block)  # fmt: skip
         self.scheduler = Scheduler(
@@ -120,18 +128,34 @@ class LLMEngine:
         if cache.kv_offloading_size is None:
             return sizing
         host = ex.measure_host_memory()
-        return size_host_tier(sizing, cache.kv_offloading_size, ex.device, host)
+        sizing = size_host_tier(sizing, cache.kv_offloading_size, ex.device, host,
+                                cache.kv_offloading_compression)  # fmt: skip
+        return size_disk_tier(sizing, cache.kv_offloading_dir_size, cache.kv_offloading_dir)
+
+    def _store_fingerprint(self) -> dict[str, str]:
+        """What stored K/V depend on (model files, dtypes, block size, shape, tokenizer): the
+        prefix store's and the disk tier's folder name."""
+        spec, mc, ex = self.sizing.spec, self.model_config, self.executor
+        shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
+        return fingerprint(
+            ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape, self.tokenizer
+        )
+
+    def _disk_tier_dir(self) -> Path | None:
+        """DIR/<fingerprint digest> of --kv-offloading-dir (the host tier's dtype is part of
+        it: a compressed tier's files are int8), None without a disk tier."""
+        cache = self.config.cache
+        if cache.kv_offloading_dir is None or not self.sizing.num_disk_blocks:
+            return None
+        print_ = {**self._store_fingerprint(), "host_dtype": self.sizing.host_spec.dtype}
+        return Path(cache.kv_offloading_dir) / digest(print_)
 
     def _open_prefix_store(self) -> None:
         """Load the blocks of --prefix-cache-dir whose fingerprint matches (cold cached)."""
         if not self.config.cache.enable_prefix_caching:
             return
-        spec, mc, ex = self.sizing.spec, self.model_config, self.executor
-        shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
-        print_ = fingerprint(
-            ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape, self.tokenizer
-        )
-        self.services.open_store(print_, ex.kv_caches, self.cache_manager)
+        print_ = self._store_fingerprint()
+        self.services.open_store(print_, self.executor.kv_caches, self.cache_manager)
 
     def _log_startup(self, seconds: float) -> None:
         mc, ex = self.model_config, self.executor
@@ -245,7 +269,7 @@ class LLMEngine:
             raise  # the ranks disagree from now on: no step can run
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
-            if scheduler_output.blocks_to_host or scheduler_output.blocks_from_host:
+            if scheduler_output.has_tier_copies:
                 # The host tier's copies may not have run: forget what either tier caches.
                 self.cache_manager.reset_prefix_cache()
             try:

@@ -103,7 +103,7 @@ def fingerprint(
     }
 
 
-def _digest(print_: dict[str, str]) -> str:
+def digest(print_: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -150,7 +150,7 @@ class PrefixStore:
         store OFF, another server holding it makes it READ_ONLY)."""
         self.root = directory
         self.fingerprint = print_
-        self.directory = directory / _digest(print_)
+        self.directory = directory / digest(print_)
         self.kv_caches = kv_caches
         self.writer = StoreWriter(directory, self.directory, print_, max_bytes, max_pending_bytes)
         self.holder: str | None = None  # READ_ONLY: the pid that holds the lock

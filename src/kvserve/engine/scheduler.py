@@ -150,6 +150,9 @@ class Scheduler:
         return SchedulerOutput(
             scheduled, preempted, finished, self.cache_manager.take_block_copies(),
             blocks_to_host=transfers.offloads, blocks_from_host=transfers.loads,
+            host_to_disk=transfers.to_disk, device_to_disk=transfers.device_to_disk,
+            disk_to_host=transfers.from_disk,
+            disk_deletes=transfers.disk_deletes,
         )  # fmt: skip
 
     def _allocate_or_preempt(

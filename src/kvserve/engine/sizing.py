@@ -13,7 +13,7 @@ import torch
 from kvserve.config import CacheConfig, format_bytes
 from kvserve.errors import ParameterError
 from kvserve.executor.memory import GIB, CapacityError, HostMemory, headroom_text
-from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv.spec import DTYPE_BITS, KVCacheSpec
 
 logger = logging.getLogger("kvserve")
 ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -25,6 +25,13 @@ class KVCacheSizing:
     num_blocks: int
     max_model_len: int
     num_host_blocks: int = 0  # the host tier's (--kv-offloading-size)
+    host_dtype: str | None = None  # the host tier's storage dtype (int8: compressed)
+    num_disk_blocks: int = 0  # the disk tier's (--kv-offloading-dir-size), host-tier blocks
+
+    @property
+    def host_spec(self) -> KVCacheSpec:
+        """The accounting of a host-tier block: the cache's, in the host tier's dtype."""
+        return replace(self.spec, dtype=self.host_dtype or self.spec.dtype)
 
     @property
     def num_tokens(self) -> int:
@@ -71,10 +78,14 @@ class KVCacheSizing:
     def _host_summary(self) -> str:
         if not self.num_host_blocks:
             return ""
-        num_bytes = self.num_host_blocks * self.spec.bytes_per_block
+        host = self.host_spec
+        num_bytes = self.num_host_blocks * host.bytes_per_block
         return (
             f"; host tier: {self.num_host_blocks:,} blocks = "
-            f"{self.num_host_blocks * self.spec.block_size:,} tokens ({format_bytes(num_bytes)})"
+            f"{self.num_host_blocks * host.block_size:,} tokens ({format_bytes(num_bytes)}"
+            + (f", {host.dtype}" if host.dtype != self.spec.dtype else "")
+            + ")"
+            + (f"; disk tier: {self.num_disk_blocks:,} blocks" if self.num_disk_blocks else "")
         )
 
 
@@ -128,7 +139,10 @@ def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
     """ParameterError for a flag that several KV cache groups do not serve yet: KV events
     describe one table's blocks (vLLM's wire format has no group)."""
     several = len(spec.groups) > 1
-    refused = [("--kv-events-config", cache.kv_events is not None and several)]
+    refused = [
+        ("--kv-events-config", cache.kv_events is not None and several),
+        ("--kv-offloading-dir", cache.kv_offloading_dir is not None and several),
+    ]
     for flag, refuse in refused:
         if refuse:
             raise ParameterError(
@@ -138,16 +152,33 @@ def refuse_features_of_groups(spec: KVCacheSpec, cache: CacheConfig) -> None:
             )  # fmt: skip
 
 
+def host_tier_dtype(cache_dtype: str, compression: str | None, device: torch.device) -> str:
+    """The host tier's storage dtype (--kv-offloading-compression): int8 codes + scales for a
+    cache of full-precision rows (by default on a CPU: there the tier is the KV cache's own
+    RAM, and only compressed does it hold more tokens per byte than the cache); the cache's
+    dtype when asked for none or when the cache is quantized already (fp8, int8, int4)."""
+    if compression is None:
+        compression = "int8" if device.type == "cpu" else "none"
+    if compression == "none" or DTYPE_BITS.get(cache_dtype, 8) <= 8:  # k8v4 too
+        return cache_dtype
+    return compression
+
+
 def size_host_tier(
-    sizing: KVCacheSizing, offloading_gib: float | None, device: torch.device, host: HostMemory
+    sizing: KVCacheSizing,
+    offloading_gib: float | None,
+    device: torch.device,
+    host: HostMemory,
+    compression: str | None = "none",
 ) -> KVCacheSizing:
     """`sizing` with the host tier's whole blocks in --kv-offloading-size GiB (none when
-    unset).  CapacityError when it would leave less than the headroom of host memory
-    available (on a CPU the KV cache, not allocated yet, comes out of the same RAM), or when
-    it holds not even one block."""
+    unset), stored as `compression` says (host_tier_dtype).  CapacityError when it would
+    leave less than the headroom of host memory available (on a CPU the KV cache, not
+    allocated yet, comes out of the same RAM), or when it holds not even one block."""
     if offloading_gib is None:
         return sizing
-    spec = sizing.spec
+    host_dtype = host_tier_dtype(sizing.spec.dtype, compression, device)
+    spec = replace(sizing.spec, dtype=host_dtype)
     num_bytes = int(offloading_gib * GIB)
     num_blocks = spec.num_blocks_in(num_bytes)
     if num_blocks == 0:
@@ -162,4 +193,19 @@ def size_host_tier(
             f"{headroom_text(host)} of the {format_bytes(host.available)} of host memory "
             f"available now; at most {max(0, room) / GIB:.2f} GiB fits"
         )
-    return replace(sizing, num_host_blocks=num_blocks)
+    return replace(sizing, num_host_blocks=num_blocks, host_dtype=host_dtype)
+
+
+def size_disk_tier(sizing: KVCacheSizing, dir_size: int, directory: str | None) -> KVCacheSizing:
+    """`sizing` with the disk tier's whole host-tier blocks in --kv-offloading-dir-size
+    bytes (the few hundred bytes of a file's header not counted); none without a directory."""
+    if directory is None or not sizing.num_host_blocks:
+        return sizing
+    num_blocks = sizing.host_spec.num_blocks_in(dir_size)
+    if num_blocks == 0:
+        raise ParameterError(
+            "--kv-offloading-dir-size",
+            f"{format_bytes(dir_size)} holds no block of "
+            f"{format_bytes(sizing.host_spec.bytes_per_block)}",
+        )
+    return replace(sizing, num_disk_blocks=num_blocks)

@@ -31,7 +31,8 @@ from kvserve.executor.kv_dtype_check import canary_token_ids, wants_check
 from kvserve.executor.memory import HostMemory, kv_budget_bytes, measure_host_memory
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv_quant import ROTATED_DTYPES
-from kvserve.models.loader import Checkpoint as Checkpoint  # the engine names it through here
+from kvserve.models.loader import Checkpoint as Checkpoint
+from kvserve.runner.disk_tier import keys_in  # the engine names it through here
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -126,14 +127,29 @@ class Executor(ABC):
             lambda: self.collective_rpc("profile_graph_pool_bytes", spec),
         )  # fmt: skip
 
+    def disk_tier_keys(self, disk_dir: Path) -> list[bytes]:
+        """The block keys the disk tier's folder holds already, oldest first (listed, not
+        read: --kv-offloading-dir)."""
+        return keys_in(disk_dir)
+
     def measure_host_memory(self) -> HostMemory:
         """This machine's RAM (the host tier's; after the weights are loaded)."""
         return measure_host_memory()
 
-    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+    def initialize_kv_caches(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_host: int,
+        host_dtype: str | None = None,
+        disk_dir: str | None = None,
+    ) -> None:
         """Every rank allocates `num_blocks` device blocks and `num_host` host-tier blocks (the
-        same ids on every rank) for its KV heads."""
-        self.collective_rpc("initialize_kv_caches", spec, num_blocks, num_host)
+        same ids on every rank) for its KV heads, in `host_dtype` (int8: compressed; None: the
+        cache's dtype), with the disk tier's files in `disk_dir` (None: no disk tier)."""
+        self.collective_rpc(
+            "initialize_kv_caches", spec, num_blocks, num_host, host_dtype, disk_dir
+        )
 
     def warm_up(self) -> None:
         self.collective_rpc("warm_up")

@@ -160,8 +160,15 @@ class TensorParallelExecutor(Executor):
                 )
             time.sleep(0.1)
 
-    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
-        super().initialize_kv_caches(spec, num_blocks, num_host)
+    def initialize_kv_caches(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_host: int,
+        host_dtype: str | None = None,
+        disk_dir: str | None = None,
+    ) -> None:
+        super().initialize_kv_caches(spec, num_blocks, num_host, host_dtype, disk_dir)
         logger.info(
             "tensor parallel: KV cache per rank %s (rank 0: %d KV heads, %s bytes/token)",
             format_bytes(self.driver_worker.kv_cache_bytes()), spec.num_kv_heads,

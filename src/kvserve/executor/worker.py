@@ -41,6 +41,7 @@ from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, sha
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
+from kvserve.runner.disk_tier import DiskBlocks
 from kvserve.runner.key_offsets import calibrate_key_offsets
 from kvserve.runner.model_runner import ModelRunner, profile_peak_activation_bytes
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
@@ -170,23 +171,40 @@ class Worker:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ caches and steps
-    def initialize_kv_caches(self, spec: KVCacheSpec, num_blocks: int, num_host: int) -> None:
+    def initialize_kv_caches(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_host: int,
+        host_dtype: str | None = None,
+        disk_dir: str | None = None,
+    ) -> None:
         """`num_blocks` device blocks for this rank's KV heads (one more with CUDA graphs: the
-        pad rows' scratch block), `num_host` of the --kv-offloading-size host tier; the block
-        ids are every rank's."""
+        pad rows' scratch block), `num_host` of the --kv-offloading-size host tier in
+        `host_dtype` (None: the cache's), the disk tier's files below it in `disk_dir` (a
+        file per block and rank); the block ids are every rank's."""
         local = self.local_spec(spec)
         num_pad_blocks = 0 if self.graph_plan is None else 1
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(local, num_blocks + num_pad_blocks, self.device)
         host_kv_caches = (
-            allocate_kv_caches(local, num_host, CPU, pin_memory=self.device.type == "cuda")
+            allocate_kv_caches(replace(local, dtype=host_dtype or local.dtype), num_host, CPU,
+                               pin_memory=self.device.type == "cuda")
             if num_host else None
         )  # fmt: skip
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, spec.block_size, self.device,
             seed=self.spec.config.load.seed, host_kv_caches=host_kv_caches,
             layer_groups=layer_groups(spec),
+            disk_blocks=self._disk_blocks(disk_dir, host_kv_caches),
         )  # fmt: skip
+
+    def _disk_blocks(
+        self, disk_dir: str | None, host_kv_caches: list[LayerKVCache] | None
+    ) -> DiskBlocks | None:
+        if disk_dir is None or host_kv_caches is None:
+            return None
+        return DiskBlocks(Path(disk_dir), host_kv_caches, self.rank)
 
     def kv_cache_bytes(self) -> int:
         return kv_cache_bytes(self.kv_caches)

@@ -59,8 +59,9 @@ from kvserve.config import DEFAULT_RETENTION_PRIORITY
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
+from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.event_index import CacheIndex
-from kvserve.kv.events import MEDIUM_CPU, MEDIUM_GPU, KVEvent
+from kvserve.kv.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, KVEvent
 from kvserve.kv.groups import (
     HOST_HIT,
     NULL_BLOCK,
@@ -152,6 +153,8 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         report_cross_salt_misses: bool = False,
         groups: Sequence[KVCacheGroup] = (),
+        num_disk_blocks: int = 0,
+        disk_keys: Sequence[bytes] = (),
         event_index: CacheIndex | None = None,
         eviction: str = "arc",
         max_pinned_blocks: int = 0,
@@ -165,7 +168,8 @@ class KVCacheManager:
         full attention); `event_index` the index that events update (with events on; None: a
         new one, `event_index` of this manager), which a subscriber's snapshot reads;
         `eviction` the policy of both tiers (kv/eviction.py); `max_pinned_blocks` the cap of
-        pinned blocks (kv/pins.py)."""
+        pinned blocks (kv/pins.py); `num_disk_blocks` the disk tier's capacity below the
+        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
@@ -181,9 +185,11 @@ class KVCacheManager:
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
         self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
         self.event_index = self._log.index
+        disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
         self.host = (
-            HostTier(num_host_blocks, eviction) if num_host_blocks and enable_caching else None
-        )
+            HostTier(num_host_blocks, eviction, disk)
+            if num_host_blocks and enable_caching else None
+        )  # fmt: skip
 
     @property
     def num_free_blocks(self) -> int:
@@ -275,13 +281,15 @@ class KVCacheManager:
                             other_groups=tuple(tables[1:]), host_entries=host_entries)  # fmt: skip
 
     def _host_run(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
-        """The leading keys held by the host tier (and not on the device: a block after a
-        host hit may still be cached on the device, but the run goes on through the host)."""
+        """The leading keys held by the host tier or the disk below it (and not on the device:
+        a block after a host hit may still be cached on the device, but the run goes on
+        through the host), at most as many as the host has unpinned slots: each is pinned
+        while it is loaded, a disk hit in a slot of its own."""
         if self.host is None:
             return ()
         run = []
-        for key in keys:
-            if key not in self.host or self.pool.lookup(key) is not None:
+        for key in keys[: self.host.num_unpinned_slots]:
+            if not self.host.holds(key) or self.pool.lookup(key) is not None:
                 break
             run.append(key)
         return tuple(run)
@@ -434,7 +442,10 @@ class KVCacheManager:
         if not keys:
             return []
         assert self.host is not None
-        self.host.pin(keys)
+        self.host.pin([key for key in keys if key in self.host])
+        for key in keys:
+            if key not in self.host:
+                self._promote(key)
         block_ids = self.pool.allocate(len(keys))
         for key, block_id in zip(keys, block_ids, strict=True):
             stored = self.pool.cache(block_id, key)
@@ -443,6 +454,19 @@ class KVCacheManager:
         self._log.copied(keys, MEDIUM_CPU, MEDIUM_GPU)
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
+
+    def _promote(self, key: bytes) -> None:
+        """A disk-tier hit into a host slot (pinned), with its events and the misses of what
+        it pushes out of the host tier."""
+        assert self.host is not None
+        dropped = self.host.promote(key)
+        assert dropped is not None, "no host slot for a disk-tier hit"
+        self._log_disk_changes()
+        self._log.removed(dropped, MEDIUM_CPU)
+        self._log.copied([key], MEDIUM_DISK, MEDIUM_CPU)
+        for old in dropped:
+            if self.pool.lookup(old) is None and not self.host.holds(old):
+                self._misses.record_removed(old)
 
     def _load_group_hits(self, cached: CachedPrefix, tables: list[list[int]]) -> list[int]:
         """_load_from_host for the groups' hits: each HOST_HIT entry of `tables` becomes a
@@ -569,15 +593,25 @@ class KVCacheManager:
         host = self.host
         held = host is not None and key in host
         kept, dropped = host.offload(block_id, key, reused, priority) if host else (False, [])
+        self._log_disk_changes()
         self._log.removed(dropped, MEDIUM_CPU)
         if kept and not held:
             self._log.copied([key], MEDIUM_GPU, MEDIUM_CPU)  # announced there, then gone here
         self._log.evicted(key)
         if not kept:
             self._misses.record_removed(key)
-        for old in dropped:  # gone from the host; still on the device, it is no miss yet
-            if self.pool.lookup(old) is None:
+        for old in dropped:  # gone from the host; on the device or disk, it is no miss yet
+            if self.pool.lookup(old) is None and not self.host.holds(old):
                 self._misses.record_removed(old)
+
+    def _log_disk_changes(self) -> None:
+        """KV events of the disk tier: blocks the host dropped there (announced as the host
+        held them), files its capacity deleted."""
+        if self.host is None or self.host.disk is None:
+            return
+        stored, deleted = self.host.take_disk_changes()
+        self._log.copied(stored, MEDIUM_CPU, MEDIUM_DISK)
+        self._log.removed(deleted, MEDIUM_DISK)
 
     def reset_prefix_cache(self, include_pinned: bool = False) -> int:
         """Drop every cached block that no request holds (blocks in use stay cached, pinned
@@ -587,16 +621,21 @@ class KVCacheManager:
             self.pins.unpin_all()
         dropped = self.pool.drop_free_cached()
         host_keys = self.host.clear() if self.host is not None else []
+        disk_keys = self.host.clear_disk() if self.host is not None else []
+        for key in disk_keys:
+            if self.pool.lookup(key) is None and key not in host_keys:
+                self._misses.record_removed(key)
         for key in dropped:
             self._misses.record_removed(key)
         for key in host_keys:
             if self.pool.lookup(key) is None:
                 self._misses.record_removed(key)
-        if self.pool.num_cached_blocks == 0 and (dropped or host_keys):
+        if self.pool.num_cached_blocks == 0 and (dropped or host_keys or disk_keys):
             self._log.cleared()  # the host tier is emptied whole: no tier holds a block
         else:
             self._log.removed(dropped, MEDIUM_GPU)
             self._log.removed(host_keys, MEDIUM_CPU)
+            self._log.removed(disk_keys, MEDIUM_DISK)
         return len(dropped)
 
     def take_events(self) -> list[KVEvent]:
@@ -685,4 +724,4 @@ class _EitherTier:
         self._host = host
 
     def __contains__(self, key: object) -> bool:
-        return key in self._device or (self._host is not None and key in self._host)
+        return key in self._device or (self._host is not None and self._host.holds(key))

@@ -18,6 +18,14 @@ offload before every load: a block evicted and reused as a load's destination in
 saved first.  A slot read by a load in this step is *pinned* until the step's copies are taken,
 so that no offload of the same step can overwrite it first.
 
+With a disk tier below (kv/disk_tier.py, --kv-offloading-dir) an entry the host drops is not
+lost either: its slot is written to a file (*to_disk*, queued before the step's other copies,
+so the slot is read before an offload or a read reuses it), and a lookup that misses here but
+finds the key on disk *promotes* it: a host slot, pinned, is filled from the file (*from_disk*)
+and then loaded like any host hit.  An entry dropped in the step that offloaded it has no
+bytes in its slot yet: its file is written from the device block instead (*device_to_disk*,
+which still holds them until the step's loads and forward pass).
+
 A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
 reused for the host's policy too; it keeps the retention priority it had on the device.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.config import DEFAULT_RETENTION_PRIORITY
+from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.eviction import PrioritizedEviction
 
 
@@ -39,17 +48,27 @@ class HostTierStats:
 
 @dataclass
 class HostTransfers:
-    """One step's copies, each (device block, host slot): offloads first, then loads."""
+    """One step's copies, in this order: to_disk (host slot, key) and device_to_disk (device
+    block, key), from_disk (key, host slot), offloads (device block, host slot), loads (device
+    block, host slot); then the files of disk_deletes go."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
+    to_disk: list[tuple[int, bytes]] = field(default_factory=list)
+    device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)
+    from_disk: list[tuple[bytes, int]] = field(default_factory=list)
+    disk_deletes: list[bytes] = field(default_factory=list)
 
 
 class HostTier:
-    def __init__(self, num_slots: int, eviction: str = "arc") -> None:
+    def __init__(self, num_slots: int, eviction: str = "arc", disk: DiskTier | None = None) -> None:
         if num_slots < 0:
             raise ValueError(f"a host tier needs >= 0 slots, got {num_slots}")
         self.num_slots = num_slots
+        self.disk = disk
+        # Slots filled in this step: by the offload of a device block, or (None) from disk.
+        self._fresh: dict[int, int | None] = {}
+        self._disk_changes: tuple[list[bytes], list[bytes]] = ([], [])  # (stored, deleted)
         self._slot_of: dict[bytes, int] = {}
         self._evictable = PrioritizedEviction(eviction, num_slots)  # keys not pinned
         self._priority_of: dict[bytes, int] = {}  # a pinned key's, to push it back
@@ -70,6 +89,10 @@ class HostTier:
     def keys(self) -> list[bytes]:
         """The keys held, least recently used first."""
         return list(self._slot_of)
+
+    @property
+    def num_unpinned_slots(self) -> int:
+        return self.num_slots - len(self._pinned)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -96,22 +119,75 @@ class HostTier:
                 self._evictable.remove(key)
                 self._evictable.push(key, key, reused, retention_priority)
             return True, []
-        dropped: list[bytes] = []
-        if not self._free_slots:
-            if not self._evictable:
-                return False, []
-            victim = self._evictable.pop().item
-            assert isinstance(victim, bytes)
-            self._free_slots.append(self._slot_of.pop(victim))
-            self.stats.num_dropped_blocks += 1
-            dropped.append(victim)
-        slot = self._free_slots.pop()
+        slot, dropped = self._take_slot()
+        if slot is None:
+            return False, []
         self._slot_of[key] = slot
+        self._fresh[slot] = block_id
         self._evictable.push(key, key, reused or self._evictable.note_cached(key),
                              retention_priority)  # fmt: skip
         self._transfers.offloads.append((block_id, slot))
         self.stats.num_offloaded_blocks += 1
         return True, dropped
+
+    def _take_slot(self) -> tuple[int | None, list[bytes]]:
+        """A free slot, or the policy's victim's (dropped, to disk when there is one); None
+        when every slot is pinned."""
+        dropped: list[bytes] = []
+        if not self._free_slots:
+            if not self._evictable:
+                return None, []
+            victim = self._evictable.pop().item
+            assert isinstance(victim, bytes)
+            victim_slot = self._slot_of.pop(victim)
+            self._free_slots.append(victim_slot)
+            self.stats.num_dropped_blocks += 1
+            dropped.append(victim)
+            self._demote(victim, victim_slot)
+        return self._free_slots.pop(), dropped
+
+    def _demote(self, key: bytes, slot: int) -> None:
+        """A dropped entry goes to the disk tier: from its slot (written before the step's
+        other copies), or from the device block whose offload of this step was to fill it."""
+        if self.disk is None:
+            return
+        write, deleted = self.disk.store(key)
+        if write:
+            self._disk_changes[0].append(key)
+        self._disk_changes[1].extend(deleted)
+        block_id = self._fresh.get(slot)
+        if write and block_id is not None:
+            self._transfers.device_to_disk.append((block_id, key))
+        elif write:
+            assert slot not in self._fresh, "a slot read from disk in this step was dropped"
+            self._transfers.to_disk.append((slot, key))
+        self._transfers.disk_deletes.extend(deleted)
+
+    def take_disk_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The keys the disk tier gained (dropped from here) and lost (its LRU files) since
+        the last call: what KV events announce with medium DISK."""
+        changes, self._disk_changes = self._disk_changes, ([], [])
+        return changes
+
+    def holds(self, key: bytes) -> bool:
+        """Whether this tier or the disk below has the key's content."""
+        return key in self._slot_of or (self.disk is not None and key in self.disk)
+
+    def promote(self, key: bytes) -> list[bytes] | None:
+        """Bring `key` from the disk tier into a host slot, pinned for this step, so that
+        `load` can fill a device block from it.  Returns the keys dropped from here to make
+        room (to disk), None when every slot is pinned."""
+        assert self.disk is not None and key in self.disk and key not in self._slot_of
+        slot, dropped = self._take_slot()
+        if slot is None:
+            return None
+        self._slot_of[key] = slot
+        self._pinned.add(key)
+        self._priority_of[key] = DEFAULT_RETENTION_PRIORITY
+        self._fresh[slot] = None
+        self._transfers.from_disk.append((key, slot))
+        self.disk.read(key)
+        return dropped
 
     def load(self, key: bytes, block_id: int) -> None:
         """Fill device block `block_id` from the slot of `key` (found by `lookup` in this
@@ -141,6 +217,7 @@ class HostTier:
                 self._evictable.push(key, key, True, self._priority_of[key])
         self._pinned.clear()
         self._priority_of.clear()
+        self._fresh.clear()
         return transfers
 
     def clear(self) -> list[bytes]:
@@ -154,6 +231,14 @@ class HostTier:
         self._pinned.clear()
         self._priority_of.clear()
         return keys
+
+    def clear_disk(self) -> list[bytes]:
+        """Forget the disk tier's entries too (their files are deleted); returns the keys."""
+        if self.disk is None:
+            return []
+        on_disk = self.disk.clear()
+        self._transfers.disk_deletes.extend(on_disk)
+        return on_disk
 
     def check_invariants(self) -> None:
         used = set(self._slot_of.values())

@@ -5,6 +5,12 @@ offload (device -> host) and then every load (host -> device) before the step's 
 copies and forward pass: a device block evicted and reused as a load's destination in the same
 step is saved before it is overwritten.  The same code runs on a CPU, where the host tier is
 just another CPU tensor, and on CUDA, where it is pinned memory.
+
+A compressed tier (--kv-offloading-compression int8: the host caches are int8 while the
+device's hold full-precision rows) quantizes each offloaded block's rows as the int8 KV cache
+does (LayerKVCache.write: kv_quant.py's codes, through the native library on a CPU) and
+dequantizes a loaded block's rows into the device block: a block comes back as exactly the
+dequantized codes that were stored.
 """
 
 from __future__ import annotations
@@ -30,11 +36,36 @@ def apply_host_transfers(
     if to_host:
         blocks, slots = _ids(to_host)
         for device, host in pairs:
-            device.copy_blocks_to(host, blocks, slots)
+            if host.kv_dtype == device.kv_dtype:
+                device.copy_blocks_to(host, blocks, slots)
+            else:
+                _copy_converting(device, host, blocks, slots)
     if from_host:
         blocks, slots = _ids(from_host)
         for device, host in pairs:
-            host.copy_blocks_to(device, slots, blocks)
+            if host.kv_dtype == device.kv_dtype:
+                host.copy_blocks_to(device, slots, blocks)
+            else:
+                _copy_converting(host, device, slots, blocks)
+
+
+def _copy_converting(
+    src: LayerKVCache, dst: LayerKVCache, src_blocks: torch.Tensor, dst_blocks: torch.Tensor
+) -> None:
+    """Whole blocks src[src_blocks[i]] -> dst[dst_blocks[i]] between caches of two dtypes
+    (one of them full precision): the rows are read as values and written as `dst` writes a
+    step's K/V, quantizing (offload to a compressed tier) or not (a load from it)."""
+    block_size = src.key.shape[1]
+    out_dtype = dst.key.dtype if not dst.quantized else torch.float32
+    key, value = src.gather(src_blocks.to(src.key.device), out_dtype)
+    slots = _token_slots(dst_blocks, block_size).to(dst.key.device)
+    dst.write(slots, key.to(dst.key.device), value.to(dst.key.device))
+
+
+def _token_slots(block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Every token slot of these blocks, block by block: [n] -> [n * block_size]."""
+    offsets = torch.arange(block_size, dtype=torch.long)
+    return (block_ids[:, None] * block_size + offsets).reshape(-1)
 
 
 def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from kvserve.attention.kv_cache import LayerKVCache, distinct_caches
 from kvserve.kv.spec import cdiv
 from kvserve.request import SamplingParams
 from kvserve.runner.cuda_graphs import DecodeGraphs, GraphPlan, describe
+from kvserve.runner.disk_tier import DiskBlocks
 from kvserve.runner.host_transfers import apply_host_transfers
 from kvserve.runner.sampling import SamplingBatch, apply_token_bitmask, sample
 from kvserve.step import (
@@ -153,12 +154,15 @@ class ModelRunner:
         seed: int = 0,
         host_kv_caches: list[LayerKVCache] | None = None,
         layer_groups: Sequence[int] = (),
+        disk_blocks: DiskBlocks | None = None,
     ) -> None:
         """`host_kv_caches`: the host tier's per-layer caches (--kv-offloading-size);
-        `layer_groups`: each layer's KV cache group where there are several (kv/spec.py)."""
+        `layer_groups`: each layer's KV cache group where there are several (kv/spec.py);
+        `disk_blocks`: the disk tier's files below the host tier (--kv-offloading-dir)."""
         self.model = model
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
+        self.disk_blocks = disk_blocks
         self.layer_groups = tuple(layer_groups) if len(set(layer_groups)) > 1 else ()
         self.backend = backend
         self.block_size = block_size
@@ -208,9 +212,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self._generators.pop(request_id, None)
-        apply_host_transfers(
-            self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
-        )
+        self._move_between_tiers(output)
         if output.block_copies:
             src, dst = torch.tensor(output.block_copies, device=self.device).unbind(1)
             for cache in distinct_caches(self.kv_caches):
@@ -241,6 +243,24 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(sampling, token_ids, strict=True)}
         logprobs = self._logprobs(sampling, token_ids, result.logprobs)
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _move_between_tiers(self, output: SchedulerOutput) -> None:
+        """The tiers' copies, in the order kv/host_tier.py queued them: host slots to disk,
+        disk to host slots, then the host tier's offloads and loads; deletions last."""
+        disk = self.disk_blocks
+        if disk is None and output.has_disk_copies:
+            raise RuntimeError("the scheduler asked for disk-tier copies but there is no tier")
+        if disk is not None and output.host_to_disk:
+            disk.write(output.host_to_disk)
+        if disk is not None and output.device_to_disk:
+            disk.write_from_device(self.kv_caches, output.device_to_disk)
+        if disk is not None and output.disk_to_host:
+            disk.read(output.disk_to_host)
+        apply_host_transfers(
+            self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
+        )
+        if disk is not None and output.disk_deletes:
+            disk.delete(output.disk_deletes)
 
     def _run_groups(self, requests: list[ScheduledRequest], batch: BatchInput) -> torch.Tensor:
         """A step of a model whose layers form several KV cache groups: each group's metadata

@@ -1,0 +1,71 @@
+"""The disk tier below the host tier (--kv-offloading-dir): which block keys have a file,
+in LRU order, within a capacity in blocks.  Pure Python: the files are written and read by
+runner/disk_tier.py, the host tier (kv/host_tier.py) queues the copies.
+
+    host slots --drop (LRU)--> write (host slot -> file, by a writer thread)
+    lookup miss on device and host, hit here --> read (file -> host slot), then the host's load
+
+A key's content never changes, so a key already on disk is not written again, and a block
+promoted from disk keeps its file (dropped from the host again, it costs no write).  The
+capacity evicts whole files, LRU first; the keys present at start-up (listed, not read) come
+first in that order, so a restarted server finds the blocks an earlier one wrote.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class DiskTierStats:
+    num_written_blocks: int = 0  # host -> disk
+    num_read_blocks: int = 0  # disk -> host (disk-tier hits)
+    num_deleted_blocks: int = 0  # files evicted (LRU) to stay within the capacity
+
+
+class DiskTier:
+    def __init__(self, num_blocks: int, present: Iterable[bytes] = ()) -> None:
+        """`num_blocks`: the capacity; `present`: keys whose files exist already, oldest
+        first (beyond the capacity, the oldest are deleted at the first store)."""
+        if num_blocks <= 0:
+            raise ValueError(f"a disk tier needs > 0 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._keys: OrderedDict[bytes, None] = OrderedDict.fromkeys(present)
+        self.stats = DiskTierStats()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def usage(self) -> float:
+        return min(1.0, len(self._keys) / self.num_blocks)
+
+    def store(self, key: bytes) -> tuple[bool, list[bytes]]:
+        """The host drops `key`: (whether a file must be written, the keys whose files go to
+        make room, LRU first)."""
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return False, []
+        self._keys[key] = None
+        deleted = []
+        while len(self._keys) > self.num_blocks:
+            deleted.append(self._keys.popitem(last=False)[0])
+        self.stats.num_written_blocks += 1
+        self.stats.num_deleted_blocks += len(deleted)
+        return True, deleted
+
+    def read(self, key: bytes) -> None:
+        """A hit: the key's file is read into a host slot (the key stays here, now MRU)."""
+        self._keys.move_to_end(key)
+        self.stats.num_read_blocks += 1
+
+    def clear(self) -> list[bytes]:
+        """Forget every key (a prefix cache reset): their files are deleted."""
+        keys = list(self._keys)
+        self._keys.clear()
+        return keys
