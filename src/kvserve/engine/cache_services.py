@@ -35,6 +35,16 @@ def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCache
     return shape
 
 
+def disk_tier_dir(cache: CacheConfig, sizing: KVCacheSizing, print_: dict[str, str]) -> Path | None:
+    """DIR/<fingerprint digest> of --kv-offloading-dir (the host tier's dtype is part of it: a
+    compressed tier's files are int8), None without a disk tier."""
+    if cache.kv_offloading_dir is None or not sizing.num_disk_blocks:
+        return None
+    from kvserve.engine.prefix_store import digest  # torch: only where a store is used
+
+    return Path(cache.kv_offloading_dir) / digest({**print_, "host_dtype": sizing.host_spec.dtype})
+
+
 class PrefixCacheServices:
     def __init__(self, config: CacheConfig) -> None:
         """Opens the event sockets now (a bad endpoint fails at start-up)."""

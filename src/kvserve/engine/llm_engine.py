@@ -17,15 +17,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from torch.profiler import record_function
 
 from kvserve.config import DEFAULT_RETENTION_PRIORITY, EngineConfig
-from kvserve.engine.cache_services import PrefixCacheServices, store_shape
+from kvserve.engine.cache_services import PrefixCacheServices, disk_tier_dir, store_shape
 from kvserve.engine.output_processor import OutputProcessor, make_children
 from kvserve.engine.prefix_pins import PrefixPinning
-from kvserve.engine.prefix_store import digest, fingerprint
+from kvserve.engine.prefix_store import fingerprint
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduling_policy import WaitingOrder
 from kvserve.engine.sizing import (
@@ -94,7 +93,7 @@ class LLMEngine:
         )  # fmt: skip
         sizing = self.sizing = self._size_kv_cache()
         self.services = PrefixCacheServices(self.config.cache)  # a bad endpoint fails
-        disk_dir = self._disk_tier_dir()
+        disk_dir = disk_tier_dir(self.config.cache, sizing, self._store_fingerprint())
         ex.initialize_kv_caches(
             sizing.spec, sizing.num_blocks, sizing.num_host_blocks, sizing.host_dtype,
             str(disk_dir) if disk_dir is not None else None,
@@ -132,30 +131,19 @@ class LLMEngine:
                                 cache.kv_offloading_compression)  # fmt: skip
         return size_disk_tier(sizing, cache.kv_offloading_dir_size, cache.kv_offloading_dir)
 
-    def _store_fingerprint(self) -> dict[str, str]:
-        """What stored K/V depend on (model files, dtypes, block size, shape, tokenizer): the
-        prefix store's and the disk tier's folder name."""
-        spec, mc, ex = self.sizing.spec, self.model_config, self.executor
-        shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
-        return fingerprint(
-            ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape, self.tokenizer
-        )
-
-    def _disk_tier_dir(self) -> Path | None:
-        """DIR/<fingerprint digest> of --kv-offloading-dir (the host tier's dtype is part of
-        it: a compressed tier's files are int8), None without a disk tier."""
-        cache = self.config.cache
-        if cache.kv_offloading_dir is None or not self.sizing.num_disk_blocks:
-            return None
-        print_ = {**self._store_fingerprint(), "host_dtype": self.sizing.host_spec.dtype}
-        return Path(cache.kv_offloading_dir) / digest(print_)
-
     def _open_prefix_store(self) -> None:
         """Load the blocks of --prefix-cache-dir whose fingerprint matches (cold cached)."""
         if not self.config.cache.enable_prefix_caching:
             return
         print_ = self._store_fingerprint()
         self.services.open_store(print_, self.executor.kv_caches, self.cache_manager)
+
+    def _store_fingerprint(self) -> dict[str, str]:
+        """What stored K/V depend on: the prefix store's and the disk tier's folder name."""
+        ex, mc, spec = self.executor, self.model_config, self.sizing.spec
+        shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
+        return fingerprint(ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape,
+                           self.tokenizer)  # fmt: skip
 
     def _log_startup(self, seconds: float) -> None:
         mc, ex = self.model_config, self.executor
