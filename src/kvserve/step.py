@@ -108,6 +108,20 @@ class SchedulerStats:
     # since start: errors that turned the --prefix-cache-dir store off (engine/prefix_store.py)
     prefix_store_errors: int = 0
     num_kv_events_dropped_batches: int = 0  # since start, KV event batches never sent
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier: device, host, disk
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier of the prefix cache (device, host or disk): prompt tokens it supplied since
+    start, blocks it holds and can hold, blocks copied up out of it (promotions: its hits)
+    and into it from the tier above (demotions)."""
+
+    hit_tokens: int
+    num_blocks: int
+    capacity_blocks: int
+    num_promoted_blocks: int
+    num_demoted_blocks: int
 
 
 @dataclass

@@ -12,12 +12,14 @@ from test_host_tier import A, B, run
 
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.config import CacheConfig
+from kvserve.engine.scheduler import _tier_stats
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.host_tier import HostTier
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.runner.disk_tier import DiskBlocks, block_file, keys_in
+from kvserve.step import TierStats
 
 
 def test_a_dropped_host_entry_is_written_before_its_slot_is_reused_and_lru_files_go():
@@ -61,7 +63,13 @@ def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
     assert cm.event_index.keys("DISK") == written  # KV events announced them on DISK
     hit = cm.find_cached_prefix(make_request(cm, "a2", A))
     assert hit.num_tokens == 8 and hit.num_host_tokens == 8  # both from disk, via the host
+    assert hit.num_disk_tokens == 8
     run(cm, "a2", A)
+    tiers = _tier_stats(cm)  # /metrics' figures: the 8 tokens came from disk, via the host
+    assert (tiers["device"].hit_tokens, tiers["host"].hit_tokens, tiers["disk"].hit_tokens) == (
+        0, 0, 8)  # fmt: skip
+    assert tiers["disk"] == TierStats(8, 6, 8, 2, 6)  # 6 files of 8; 2 read, 6 written
+    assert tiers["host"] == TierStats(0, 2, 2, 2, 6)  # 2 loads up, 6 offloads in
     moved = cm.take_host_transfers()
     assert [key for key, _ in moved.from_disk] == a_keys
     # each read lands in the slot its load copies from, and no offload of the step takes it

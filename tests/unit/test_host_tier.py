@@ -57,7 +57,9 @@ def run(cm: KVCacheManager, request_id: str, tokens: list[int]) -> list[int]:
     cached = cm.find_cached_prefix(request)
     new = cm.allocate_slots(request_id, cached.num_tokens, len(tokens) - cached.num_tokens, cached)
     assert new is not None
-    cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens)
+    cm.record_prefix_query(
+        request, cached.num_tokens, cached.num_host_tokens, cached.num_disk_tokens
+    )
     table = cm.block_table(request_id)
     cm.cache_full_blocks(request, len(tokens))
     cm.free(request_id)

@@ -9,7 +9,7 @@ from kvserve.bench.report import _memory_lines, memory_summary
 from kvserve.bench.scrape import parse_metrics, parse_miss_reasons, to_sample
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.stats_logger import StatsLogger
-from kvserve.step import SchedulerStats
+from kvserve.step import SchedulerStats, TierStats
 
 MISSES = {"below_block_size": 3, "isolated": 32, "evicted": 0, "never_seen": 48}
 
@@ -48,11 +48,25 @@ def test_status_line_splits_the_interval_misses_by_reason():
 
 
 def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
+    tiers = {"device": TierStats(5, 10, 20, 0, 0), "host": TierStats(12, 16, 64, 3, 16),
+             "disk": TierStats(4, 30, 100, 1, 20)}  # fmt: skip
     host = dict(prefix_cache_host_hits=12, num_host_blocks=64, host_kv_cache_usage=0.25,
-                num_offloaded_blocks=16, num_loaded_blocks=3)  # fmt: skip
-    text = ServerMetrics(lambda: stats(**host), "m").exposition().decode()
-    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="device"} 5.0' in text
-    assert 'kvserve:prefix_cache_tier_hits_total{model_name="m",tier="host"} 12.0' in text
+                num_offloaded_blocks=16, num_loaded_blocks=3, tiers=tiers)  # fmt: skip
+    block_bytes = {"device": 1000, "host": 300, "disk": 300}
+    text = ServerMetrics(lambda: stats(**host), "m", None, block_bytes).exposition().decode()
+
+    def value(name: str, tier: str) -> str:
+        return f'kvserve:{name}{{model_name="m",tier="{tier}"}}'
+
+    assert f"{value('prefix_cache_tier_hits_total', 'device')} 5.0" in text
+    assert f"{value('prefix_cache_tier_hits_total', 'host')} 12.0" in text
+    assert f"{value('prefix_cache_tier_hits_total', 'disk')} 4.0" in text
+    assert f"{value('kv_tier_bytes', 'device')} 10000.0" in text
+    assert f"{value('kv_tier_bytes', 'disk')} 9000.0" in text
+    assert f"{value('kv_tier_usage_perc', 'host')} 0.25" in text
+    assert f"{value('kv_tier_capacity_blocks', 'disk')} 100.0" in text
+    assert f"{value('kv_tier_promotions_total', 'host')} 3.0" in text
+    assert f"{value('kv_tier_demotions_total', 'disk')} 20.0" in text
     assert 'kvserve:host_kv_cache_usage_perc{model_name="m"} 0.25' in text
     assert 'kvserve:kv_offloaded_blocks_total{model_name="m"} 16.0' in text
     assert 'kvserve:kv_loaded_blocks_total{model_name="m"} 3.0' in text

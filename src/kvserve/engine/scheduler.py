@@ -44,7 +44,7 @@ from kvserve.engine.stopping import check_stop_token
 from kvserve.errors import ParameterError
 from kvserve.kv.cache_manager import NO_PREFIX, KVCacheManager
 from kvserve.request import Request, RequestStatus
-from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvserve.step import ScheduledRequest, SchedulerOutput, SchedulerStats, TierStats
 
 GROWTH_RESERVE_STEP = 0.25  # added to the reserve fraction per preemption (capped at 1)
 GROWTH_RESERVE_DECAY = 0.002  # removed per step: back to 0 after 500 steps without preemption
@@ -217,7 +217,8 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             if not forked:
-                cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens)
+                cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens,
+                                       cached.num_disk_tokens)  # fmt: skip
                 in_flight.update(cm.blocks_computed_in_step(request, num_computed, num_new))
             if request.num_cached_tokens < 0:  # first admission: what the cache supplied
                 request.num_cached_tokens = 0 if forked else cached.num_tokens
@@ -329,6 +330,7 @@ class Scheduler:
             kv_waste=1.0 - held / slots if slots else 0.0,
             prefix_cache_host_hits=cm.prefix_stats.host_hits,
             **_host_tier_stats(cm),
+            tiers=_tier_stats(cm),
         )
 
 
@@ -343,3 +345,24 @@ def _host_tier_stats(cm: KVCacheManager) -> dict[str, int | float]:
         num_offloaded_blocks=host.stats.num_offloaded_blocks,
         num_loaded_blocks=host.stats.num_loaded_blocks,
     )
+
+
+def _tier_stats(cm: KVCacheManager) -> dict[str, TierStats]:
+    """Each tier's blocks and traffic: device ("device"), host ("host", --kv-offloading-size)
+    and disk ("disk", --kv-offloading-dir) where they exist.  A promotion copies a block up
+    out of the tier (a hit there), a demotion copies one into it from the tier above."""
+    hits = cm.prefix_stats
+    pool = cm.pool
+    tiers = {"device": TierStats(hits.hits - hits.host_hits, pool.num_holding_blocks,
+                                 pool.num_blocks, 0, 0)}  # fmt: skip
+    host = cm.host
+    if host is None:
+        return tiers
+    tiers["host"] = TierStats(hits.host_hits - hits.disk_hits, host.num_used_slots,
+                              host.num_slots, host.stats.num_loaded_blocks,
+                              host.stats.num_offloaded_blocks)  # fmt: skip
+    disk = host.disk
+    if disk is not None:
+        read, written = disk.stats.num_read_blocks, disk.stats.num_written_blocks
+        tiers["disk"] = TierStats(hits.disk_hits, len(disk), disk.num_blocks, read, written)
+    return tiers

@@ -61,6 +61,11 @@ class BlockPool:
         return self.num_blocks - self.num_free_blocks
 
     @property
+    def num_holding_blocks(self) -> int:
+        """Blocks holding K/V worth keeping: used by a request, or free but cached."""
+        return self.num_blocks - len(self._free_uncached)
+
+    @property
     def usage(self) -> float:
         """Share of blocks referenced by requests (cached-but-free blocks count as free)."""
         return self.num_used_blocks / self.num_blocks

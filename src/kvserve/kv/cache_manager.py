@@ -106,6 +106,7 @@ class CachedPrefix:
     # With several groups or a window: the hits held by the host tier, (group, block index,
     # key), their table entries HOST_HIT until allocate_slots loads them.
     host_entries: tuple[tuple[int, int, bytes], ...] = ()
+    num_disk_blocks: int = 0  # of host_keys, those the disk tier below the host supplies
 
     def tables(self, num_groups: int) -> list[list[int]]:
         """Every group's table of the prefix (empty ones without a hit)."""
@@ -128,6 +129,13 @@ class CachedPrefix:
             return self.num_tokens * num_host // len(self.block_ids)
         return self.num_tokens * len(self.host_keys) // self.num_blocks if self.host_keys else 0
 
+    @property
+    def num_disk_tokens(self) -> int:
+        """Tokens of the prefix that the disk tier supplies (part of num_host_tokens)."""
+        return (
+            self.num_tokens * self.num_disk_blocks // self.num_blocks if self.num_disk_blocks else 0
+        )
+
 
 NO_PREFIX = CachedPrefix([], 0)
 
@@ -136,7 +144,8 @@ NO_PREFIX = CachedPrefix([], 0)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found cached (in either tier)
-    host_hits: int = 0  # of the hits, those loaded from the host tier
+    host_hits: int = 0  # of the hits, those loaded from the host tier (or the disk below it)
+    disk_hits: int = 0  # of the host tier's, those read from the disk tier
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
 
@@ -250,7 +259,9 @@ class KVCacheManager:
         host_keys = self._host_run(keys[num_device:])
         host_contents = tuple(hashes.contents[num_device : num_device + len(host_keys)])
         num_tokens = (num_device + len(host_keys)) * self.block_size
-        return CachedPrefix(block_ids, num_tokens, host_keys, host_contents)
+        num_disk = sum(1 for key in host_keys if key not in self.host) if host_keys else 0
+        return CachedPrefix(block_ids, num_tokens, host_keys, host_contents,
+                            num_disk_blocks=num_disk)  # fmt: skip
 
     def _prefix_of_groups(self, keys: Sequence[bytes], in_flight: dict[bytes, int]) -> CachedPrefix:
         """The longest prefix of `keys` that every group holds, in the pool or among the
@@ -519,11 +530,16 @@ class KVCacheManager:
         self._num_cached_blocks[dst_request_id] = num_cached
 
     def record_prefix_query(
-        self, request: HashedRequest, num_hit_tokens: int, num_host_hit_tokens: int = 0
+        self,
+        request: HashedRequest,
+        num_hit_tokens: int,
+        num_host_hit_tokens: int = 0,
+        num_disk_hit_tokens: int = 0,
     ) -> None:
         """Count one lookup of all the request's tokens (`find_cached_prefix`), the hits of
-        each tier (`num_hit_tokens` counts both, `num_host_hit_tokens` the host tier's) and the
-        reason of every token it missed."""
+        each tier (`num_hit_tokens` counts all, `num_host_hit_tokens` the host tier's with the
+        disk's, `num_disk_hit_tokens` the disk tier's) and the reason of every token it
+        missed."""
         if not self.enable_caching:
             return
         num_tokens = len(request.all_token_ids)
@@ -531,6 +547,7 @@ class KVCacheManager:
         stats.queries += num_tokens
         stats.hits += num_hit_tokens
         stats.host_hits += num_host_hit_tokens
+        stats.disk_hits += num_disk_hit_tokens
         hashes = self._hashes(request)
         counts = self._misses.classify(
             hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,

@@ -245,7 +245,9 @@ def serving_context(
         "kv_cache_dtype": spec.dtype,
         "max_model_len": str(engine.max_model_len),
     }
-    metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info)
+    host_bytes = engine.sizing.host_spec.bytes_per_block  # the host and disk tiers' format
+    tier_bytes = {"device": spec.bytes_per_block, "host": host_bytes, "disk": host_bytes}
+    metrics = ServerMetrics(lambda: async_llm.stats, name, cache_info, tier_bytes)
     return ServingContext(
         async_llm,
         name,

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.step import RequestOutput, SchedulerStats
+from kvserve.step import RequestOutput, SchedulerStats, TierStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -36,10 +36,12 @@ class _EngineStatsCollector(Collector):
         stats: Callable[[], SchedulerStats],
         labels: dict[str, str],
         cache_info: dict[str, str],
+        tier_block_bytes: dict[str, int],
     ) -> None:
         self._stats = stats
         self._labels = labels
         self._cache_info = cache_info
+        self._tier_block_bytes = tier_block_bytes
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -87,16 +89,7 @@ class _EngineStatsCollector(Collector):
     def _host_tier(self, s: SchedulerStats) -> Iterator[Metric]:
         """The prefix-cache hits of each tier, and the host tier's own figures (zeros without
         --kv-offloading-size)."""
-        hits = CounterMetricFamily(
-            "kvserve:prefix_cache_tier_hits",
-            "Prompt tokens found in the prefix cache, by tier: device (the KV cache) or host "
-            "(--kv-offloading-size); they add up to prefix_cache_hits.",
-            labels=[*self._labels, "tier"],
-        )
-        device_hits = s.prefix_cache_hits - s.prefix_cache_host_hits
-        for tier, value in (("device", device_hits), ("host", s.prefix_cache_host_hits)):
-            hits.add_metric([*self._labels.values(), tier], value)
-        yield hits
+        yield from self._tiers(s)
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         rows = [
             (gauge, "host_kv_cache_usage_perc", "Host tier usage (1 = every slot holds a block).",
@@ -112,6 +105,34 @@ class _EngineStatsCollector(Collector):
         ]  # fmt: skip
         yield from self._families(rows)
 
+    def _tiers(self, s: SchedulerStats) -> Iterator[Metric]:
+        """Per tier (device, host with --kv-offloading-size, disk with --kv-offloading-dir):
+        hits, blocks, bytes, usage, promotions and demotions."""
+        tiers = s.tiers or {"device": TierStats(s.prefix_cache_hits, 0, 0, 0, 0)}
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        families = [
+            (counter, "prefix_cache_tier_hits", "Prompt tokens found in the prefix cache, by "
+             "tier; they add up to prefix_cache_hits.", lambda t: t.hit_tokens),
+            (gauge, "kv_tier_blocks", "Blocks holding K/V, by tier.", lambda t: t.num_blocks),
+            (gauge, "kv_tier_capacity_blocks", "Blocks a tier holds at most.",
+             lambda t: t.capacity_blocks),
+            (gauge, "kv_tier_bytes", "Bytes of the blocks holding K/V, by tier (a compressed "
+             "host or disk tier counts its own bytes).", None),
+            (gauge, "kv_tier_usage_perc", "Blocks holding K/V / capacity, by tier.",
+             lambda t: t.num_blocks / t.capacity_blocks if t.capacity_blocks else 0.0),
+            (counter, "kv_tier_promotions", "Blocks copied up out of a tier (its hits).",
+             lambda t: t.num_promoted_blocks),
+            (counter, "kv_tier_demotions", "Blocks copied into a tier from the one above.",
+             lambda t: t.num_demoted_blocks),
+        ]  # fmt: skip
+        for cls, name, doc, value in families:
+            family = cls(f"kvserve:{name}", doc, labels=[*self._labels, "tier"])
+            for tier, stats in tiers.items():
+                figure = (stats.num_blocks * self._tier_block_bytes.get(tier, 0)
+                          if value is None else value(stats))  # fmt: skip
+                family.add_metric([*self._labels.values(), tier], figure)
+            yield family
+
 
 class ServerMetrics:
     """The server's registry plus plain running totals for the periodic status log."""
@@ -121,10 +142,13 @@ class ServerMetrics:
         stats: Callable[[], SchedulerStats],
         model_name: str,
         cache_info: dict[str, str] | None = None,
+        tier_block_bytes: dict[str, int] | None = None,
     ) -> None:
+        """`tier_block_bytes`: the bytes of one block in each tier (kv_tier_bytes)."""
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name}
-        self.registry.register(_EngineStatsCollector(stats, self._labels, cache_info or {}))
+        self.registry.register(_EngineStatsCollector(stats, self._labels, cache_info or {},
+                                                     tier_block_bytes or {}))  # fmt: skip
         self.prompt_tokens = self._counter("kvserve:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = self._counter("kvserve:generation_tokens", "Tokens generated.")
         self._success = Counter(
