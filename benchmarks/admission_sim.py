@@ -80,8 +80,14 @@ class Simulator:
         return Result(hit_rate, offloaded, written, dict(self.cm.prefix_stats.evicted_by_tier))
 
 
-def scan(tiers: Tiers, threshold: int, rounds: int = 10, burst: int = 8,
-         system_blocks: int = 32, one_off_blocks: int = 64) -> Result:  # fmt: skip
+def scan(
+    tiers: Tiers,
+    threshold: int,
+    rounds: int = 10,
+    burst: int = 8,
+    system_blocks: int = 32,
+    one_off_blocks: int = 64,
+) -> Result:
     """`rounds` of: one request with the shared system prompt and 40 tokens of its own, then
     `burst` one-off prompts of `one_off_blocks` full blocks and one token each."""
     bs = tiers.block_size
@@ -89,7 +95,7 @@ def scan(tiers: Tiers, threshold: int, rounds: int = 10, burst: int = 8,
     system = list(range(system_blocks * bs))
     fresh = itertools.count(1_000_000)
     hits = []
-    for r in range(rounds):
+    for _ in range(rounds):
         hits.append(sim.serve(system + [next(fresh) for _ in range(40)]))
         for _ in range(burst):
             sim.serve([next(fresh) for _ in range(one_off_blocks * bs + 1)])
@@ -97,8 +103,15 @@ def scan(tiers: Tiers, threshold: int, rounds: int = 10, burst: int = 8,
     return sim.result(sum(later) / (len(later) * len(system)))
 
 
-def chat(tiers: Tiers, threshold: int, conversations: int = 64, turns: int = 6,
-         system_tokens: int = 512, user_tokens: int = 96, answer_tokens: int = 48) -> Result:  # fmt: skip
+def chat(
+    tiers: Tiers,
+    threshold: int,
+    conversations: int = 64,
+    turns: int = 6,
+    system_tokens: int = 512,
+    user_tokens: int = 96,
+    answer_tokens: int = 48,
+) -> Result:
     """Every conversation's turn 1, then every turn 2, ...: each prompt is the system prompt,
     the earlier turns' user messages and answers, and a new user message."""
     sim = Simulator(tiers.manager(threshold))
@@ -123,8 +136,11 @@ def main() -> None:
     parser.add_argument("--device", type=int, default=128, help="device blocks")
     parser.add_argument("--host", type=int, default=256, help="host blocks")
     parser.add_argument("--disk", type=int, default=0, help="disk blocks (0: none)")
-    parser.add_argument("--chat-hosts", default="256,1024,4096",
-                        help="host blocks of the chat runs (its histories: ~3,500 blocks)")
+    parser.add_argument(
+        "--chat-hosts",
+        default="256,1024,4096",
+        help="host blocks of the chat runs (its histories: ~3,500 blocks)",
+    )
     args = parser.parse_args()
     thresholds = [int(t) for t in args.thresholds.split(",")]
     for eviction in args.evictions.split(","):

@@ -2,12 +2,19 @@
 
 Without a gate every block the device evicts is copied to the host tier, and every entry the
 host drops is written to disk.  A burst of one-off long prompts then flushes the lower tiers
-as it flushes the device, a system prompt that many requests share included.  With a
-threshold N > 1 a block goes down a tier only once it has been *seen* N times: computed or
-hit by that many requests (vLLM's offloading connector calls it `store_threshold`).
+as it flushes the device, a system prompt that many requests share included (ARC does not
+save it when the burst is longer than its ghost lists: the prompt is never seen reused).
+With a threshold N > 1 a block displaces an entry of a full lower tier only once it has been
+*seen* N times: computed or hit by that many requests (vLLM's offloading connector calls it
+`store_threshold`; there it gates every store, here only those that would evict).
 
     seen:   a request computes the block (it becomes full), or a lookup hits it (any tier)
-    admit:  seen(key) >= N   (N = 1: always, no counting)
+    admit:  the tier below has free room, or seen(key) >= N   (N = 1: always, no counting)
+
+Free room is never refused: until a tier first fills, a refusal would lose a block for
+nothing.  Measured (benchmarks/admission_sim.py, docs/prefix_cache.md) the free-room rule is
+what keeps multi-turn chat, whose histories are seen once before they come back, as good as
+without a gate when the host holds them, and better when it does not.
 
 The counts outlive the block: a block evicted unadmitted and computed again later is seen
 twice, and is admitted at its next eviction.  They are bounded (the oldest counts are

@@ -42,8 +42,9 @@ free-but-cached.
 * Eviction (kv/eviction.py, ``eviction``): ARC by default in the pool and the host tier, so
   that blocks reused since they were cached outlive one-off ones; ``free`` gives a request's
   blocks its retention priority (lower ones are evicted first).
-* Admission (kv/admission.py, ``store_threshold``): an evicted block goes down to the host
-  tier, and a host drop down to disk, only once requests computed or hit it that many times.
+* Admission (kv/admission.py, ``store_threshold``): an evicted block takes a full host
+  tier's slot, and a host drop a full disk's, only once requests computed or hit it that many
+  times (into free room it always goes).
 * Pins (kv/pins.py): ``try_pin_prefix`` holds the full blocks of a cached prefix for good
   (up to ``max_pinned_blocks``); ``reset_prefix_cache`` keeps them unless ``include_pinned``.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
@@ -158,9 +159,7 @@ class PrefixCacheStats:
     disk_hits: int = 0  # of the host tier's, those read from the disk tier
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
     # misses["evicted"] by the tier the blocks last fell out of (device, host, disk)
-    evicted_by_tier: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(EVICTED_TIERS, 0)
-    )
+    evicted_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTED_TIERS, 0))
 
 
 class KVCacheManager:
@@ -628,12 +627,13 @@ class KVCacheManager:
 
     def _on_evict(self, block_id: int, key: bytes, reused: bool, priority: int) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
-        when there is one with a slot to spare and admission lets it (seen often enough, or
-        held there already), else it is gone (an `evicted` miss of the device later)."""
+        when there is one with a slot to spare and admission lets it (a free slot, a key
+        seen often enough to displace another, or one held there already), else it is gone
+        (an `evicted` miss of the device later)."""
         host = self.host
         held = host is not None and key in host
         kept, dropped = False, []
-        if host is not None and (held or self.admission.admits(key)):
+        if host is not None and (held or not host.is_full or self.admission.admits(key)):
             kept, dropped = host.offload(block_id, key, reused, priority)
         self._log_disk_changes()
         self._log.removed(dropped, MEDIUM_CPU)

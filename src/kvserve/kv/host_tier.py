@@ -29,9 +29,10 @@ which still holds them until the step's loads and forward pass).
 A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
 reused for the host's policy too; it keeps the retention priority it had on the device.
 
-Admission (kv/admission.py, --kv-offloading-store-threshold): the cache manager offers this
-tier only the evicted blocks seen often enough, and `admit` gates the drops written to disk
-the same way (a refused drop is simply gone; a key on disk already stays there).
+Admission (kv/admission.py, --kv-offloading-store-threshold): once this tier is full, the
+cache manager offers it only the evicted blocks seen often enough to displace an entry, and
+`admit` gates the drops written to a full disk the same way (a refused drop is simply gone; a
+key on disk already stays there).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class HostTier:
         return list(self._slot_of)
 
     @property
+    def is_full(self) -> bool:
+        """Whether taking a slot must drop an entry (admission gates only then)."""
+        return not self._free_slots
+
+    @property
     def num_unpinned_slots(self) -> int:
         return self.num_slots - len(self._pinned)
 
@@ -162,10 +168,11 @@ class HostTier:
     def _demote(self, key: bytes, slot: int) -> None:
         """A dropped entry goes to the disk tier: from its slot (written before the step's
         other copies), or from the device block whose offload of this step was to fill it.
-        Not when `admit` refuses a key the disk lacks."""
+        Not when the disk is full and `admit` refuses a key it lacks."""
         if self.disk is None:
             return
-        if self._admit is not None and key not in self.disk and not self._admit(key):
+        disk = self.disk
+        if self._admit is not None and key not in disk and disk.is_full and not self._admit(key):
             return
         write, deleted = self.disk.store(key)
         if write:
