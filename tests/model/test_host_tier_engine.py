@@ -49,7 +49,9 @@ def generate(llm: LLM, request_id: str, prompt: list[int], max_tokens: int):
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(request_id, prompt, params)
-    engine.step()  # the whole prompt in one step
+    engine.step()  # the whole prompt in one step (once its disk reads, if any, are done)
+    while request_id not in engine.cache_manager.block_tables:
+        engine.step()
     kv = block_kv(llm, engine.cache_manager.block_tables[request_id][:4])
     done = []
     while engine.has_unfinished_requests():
