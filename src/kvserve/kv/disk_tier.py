@@ -48,6 +48,11 @@ class DiskTier:
         return len(self._keys)
 
     @property
+    def keys(self) -> list[bytes]:
+        """The keys with a file, least recently used first."""
+        return list(self._keys)
+
+    @property
     def usage(self) -> float:
         return min(1.0, len(self._keys) / self.num_blocks)
 
