@@ -27,6 +27,11 @@ cached on the device; those the other requests then evict are copied to host mem
 (kv/host_tier.py), and on resumption its prefix lookup loads them back, so it recomputes at
 most its last partial block instead of everything.
 
+With a disk tier below it (--kv-offloading-dir) a request whose prefix has blocks on disk
+only is passed over while a reader thread brings them into host slots (the cache manager's
+`fetch_disk_hits`); the others are admitted meanwhile, and it is admitted once the runner
+has reported its reads (`finish_disk_reads`; a failed read is a miss, recomputed).
+
 Parallel sampling: siblings of a request (``fork_of``) wait until its prompt is computed, then
 share its prompt blocks by reference and recompute only the last prompt token (they need its
 logits to sample their own first token); the shared partial block is copied on write.

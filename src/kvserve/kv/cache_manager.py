@@ -32,7 +32,9 @@ free-but-cached.
   cached block is copied to host memory instead of being lost, and ``find_cached_prefix``
   continues the device run with blocks found there: ``allocate_slots`` gives each a fresh
   device block, caches it again under its key and queues the host -> device copy
-  (``take_host_transfers``, drained by the scheduler into the step's output).
+  (``take_host_transfers``, drained by the scheduler into the step's output).  Blocks on the
+  disk tier below the host are read into host slots first (``fetch_disk_hits``, reported
+  by ``finish_disk_reads``) while the request waits in the queue.
 * KV cache groups (kv/groups.py): with layers of several attention kinds (sliding windows
   and full attention) a request has one table per group, all from the one pool; a window
   group frees the blocks that leave its window as the request grows, and a cached prefix
