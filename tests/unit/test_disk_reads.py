@@ -63,6 +63,16 @@ def test_a_request_with_disk_hits_waits_for_its_reads_while_another_runs():
     assert cm.prefix_stats.disk_hits == 8 and cm.host.disk.stats.num_read_blocks == 2
 
 
+def test_with_one_sequence_slot_the_request_behind_runs_in_the_same_step():
+    scheduler, keys = a_on_disk()
+    scheduler.max_num_seqs = 1
+    add(scheduler, "a2", A)
+    add(scheduler, "d", D)
+    assert scheduled(scheduler) == {"d": 0}  # a2 is passed over, d takes the slot
+    scheduler.finish_disk_reads(keys, [])
+    assert scheduled(scheduler) == {"a2": 8}  # d finished (1 token): a2 admitted
+
+
 def test_abort_while_reading_keeps_the_slots_until_the_reads_land_then_frees_them():
     scheduler, keys = a_on_disk()
     host = scheduler.cache_manager.host

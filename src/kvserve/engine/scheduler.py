@@ -42,7 +42,7 @@ Pure Python: the scheduler needs a SchedulerConfig and a KVCacheManager, nothing
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvserve.engine.request_queue import RequestQueue
 from kvserve.engine.scheduling_policy import WaitingOrder, priority_key
@@ -205,9 +205,7 @@ class Scheduler:
         cm = self.cache_manager
         in_flight = self._blocks_in_flight(scheduled)
         growth = sum(self._growth_blocks(r, cm.num_blocks_of(r.request_id)) for r in self.running)
-        # Requests waiting for disk reads are passed over: try as many more as they are.
-        num_slots = self.max_num_seqs - len(self.running) + len(self._fetching)
-        for request in self.order.candidates(self.waiting, num_slots, self._cached_tokens):
+        for request in self._candidates(self.max_num_seqs - len(self.running)):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
@@ -242,6 +240,20 @@ class Scheduler:
             budget -= num_new
             growth += own_growth
         return budget
+
+    def _candidates(self, num_slots: int) -> Iterator[Request]:
+        """The policy's candidates for `num_slots`, then more while requests waiting for their
+        disk reads are passed over (as many more as they are), each once."""
+        tried: set[str] = set()
+        while True:
+            batch = [r for r in self.order.candidates(self.waiting, num_slots + len(self._fetching),
+                                                      self._cached_tokens)
+                     if r.request_id not in tried]  # fmt: skip
+            if not batch:
+                return
+            for request in batch:
+                tried.add(request.request_id)
+                yield request
 
     def finish_disk_reads(self, done: Sequence[bytes], failed: Sequence[bytes]) -> None:
         """The runner's report of disk reads since the last one (ModelRunnerOutput): the
