@@ -1,4 +1,4 @@
-"""Multi-turn chat against the prefix cache's tiers (issue 46): conversations sharing a system
+"""Multi-turn chat against the prefix cache's tiers: conversations sharing a system
 prompt, each turn resending its whole history, `--concurrency` conversations at a time, on the
 in-process engine.  Prints TTFT p50 of turns 2+ (wall time from a turn's arrival to its first
 token, queueing included) and the mean fraction of their prompts found cached, per config.

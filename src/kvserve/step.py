@@ -104,6 +104,8 @@ class SchedulerStats:
     # since start, missed prompt tokens by reason (kv/miss_reasons.py): below_block_size,
     # isolated, evicted, never_seen
     prefix_cache_misses: dict[str, int] = field(default_factory=dict)
+    # the `evicted` ones by the tier they last fell out of: device, host, disk
+    prefix_cache_evicted_by_tier: dict[str, int] = field(default_factory=dict)
     # the host tier (--kv-offloading-size): hits served from it (tokens, part of
     # prefix_cache_hits), blocks copied each way, slots used / all (0 without a tier)
     prefix_cache_host_hits: int = 0

@@ -173,7 +173,9 @@ def test_blocks_the_host_tier_drops_come_back_from_disk_and_after_a_restart(tiny
     pass; A again finds them on disk, bit for bit, and so does a new engine on the folder.
     (A hit's run goes through at most the host's unpinned slots: 5 >= A's 4 blocks.)"""
     C = [(i * 7727) % 40000 + 13 for i in range(150)]
-    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20)
+    # threshold 1: every drop moves down (2 would keep A, seen once, in the full host)
+    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20,
+                kv_offloading_store_threshold=1)  # fmt: skip
     llm = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
     assert llm.engine.sizing.num_disk_blocks == 128
     first, kv_first = generate(llm, "a", A, 8)
@@ -202,7 +204,8 @@ def test_a_disk_hit_waits_while_others_run_and_a_file_gone_when_read_is_recomput
     loads the first two and recomputes the rest, with the same tokens; no tier is cleared."""
     C = [(i * 7727) % 40000 + 13 for i in range(150)]
     D = [(i * 3571) % 40000 + 17 for i in range(20)]
-    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20)
+    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20,
+                kv_offloading_store_threshold=1)  # fmt: skip
     llm = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
     first, _ = generate(llm, "a", A, 8)
     generate(llm, "b", B, 8)

@@ -68,6 +68,10 @@ def memory_summary(timeline: list[MetricsSample]) -> dict[str, Any] | None:
             reason: num - timeline[0].prefix_cache_miss_tokens.get(reason, 0.0)
             for reason, num in timeline[-1].prefix_cache_miss_tokens.items()
         },
+        "prefix_cache_evicted_by_tier": {
+            tier: num - timeline[0].prefix_cache_evicted_by_tier.get(tier, 0.0)
+            for tier, num in timeline[-1].prefix_cache_evicted_by_tier.items()
+        },
     }
 
 
@@ -194,6 +198,10 @@ def _memory_lines(memory: dict[str, Any] | None) -> list[str]:
         *(
             _line(f"Prefix misses {reason} (tokens):", int(num))
             for reason, num in memory.get("prefix_cache_miss_tokens", {}).items()
+        ),
+        *(
+            _line(f"  evicted from {tier} (tokens):", int(num))
+            for tier, num in memory.get("prefix_cache_evicted_by_tier", {}).items()
         ),
     ]
 

@@ -30,6 +30,10 @@ _MISS_LINE = re.compile(
     r"^(?:[A-Za-z_]\w*:)?prefix_cache_miss_tokens(?:_total)?\{[^}]*reason=\"(\w+)\"[^}]*\}"
     r"\s+(\S+)"
 )
+_EVICTED_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*:)?prefix_cache_evicted_miss_tokens(?:_total)?\{[^}]*tier=\"(\w+)\"[^}]*\}"
+    r"\s+(\S+)"
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class MetricsSample:
     prefix_cache_hits: float
     prefix_hit_rate: float | None = None
     prefix_cache_miss_tokens: dict[str, float] = field(default_factory=dict)  # by reason
+    # the evicted ones by the tier they fell out of (device, host, disk)
+    prefix_cache_evicted_by_tier: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -73,17 +79,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def parse_miss_reasons(text: str) -> dict[str, float]:
-    """kvserve's prefix_cache_miss_tokens counter by its reason label ({} for other servers)."""
+def parse_miss_reasons(text: str, pattern: re.Pattern[str] = _MISS_LINE) -> dict[str, float]:
+    """kvserve's prefix_cache_miss_tokens counter by its reason label ({} for other servers);
+    with `pattern` _EVICTED_LINE, its evicted misses by tier (parse_evicted_tiers)."""
     misses: dict[str, float] = {}
     for line in text.splitlines():
-        match = _MISS_LINE.match(line)
+        match = pattern.match(line)
         if match:
             try:
                 misses[match.group(1)] = misses.get(match.group(1), 0.0) + float(match.group(2))
             except ValueError:
                 continue
     return misses
+
+
+def parse_evicted_tiers(text: str) -> dict[str, float]:
+    """kvserve's prefix_cache_evicted_miss_tokens by its tier label ({} for other servers)."""
+    return parse_miss_reasons(text, _EVICTED_LINE)
 
 
 def to_sample(values: dict[str, float], t: float) -> MetricsSample | None:
@@ -139,6 +151,7 @@ class MetricsScraper:
         sample = to_sample(parse_metrics(text), time.perf_counter() - self.t0)
         if sample is not None:
             sample.prefix_cache_miss_tokens.update(parse_miss_reasons(text))
+            sample.prefix_cache_evicted_by_tier.update(parse_evicted_tiers(text))
             self._samples.append(sample)
 
     def stop(self) -> None:

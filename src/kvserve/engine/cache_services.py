@@ -162,4 +162,5 @@ class PrefixCacheServices:
             max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
             num_disk_blocks=sizing.num_disk_blocks,
             disk_keys=disk_keys,
+            store_threshold=cache.kv_offloading_store_threshold,
         )  # fmt: skip

@@ -359,6 +359,7 @@ class Scheduler:
             prefix_cache_queries=cm.prefix_stats.queries,
             prefix_cache_hits=cm.prefix_stats.hits,
             prefix_cache_misses=dict(cm.prefix_stats.misses),
+            prefix_cache_evicted_by_tier=dict(cm.prefix_stats.evicted_by_tier),
             kv_waste=1.0 - held / slots if slots else 0.0,
             prefix_cache_host_hits=cm.prefix_stats.host_hits,
             **_host_tier_stats(cm),

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.kv.event_index import UNKNOWN, CacheIndex, IndexEntry
-from kvserve.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kv.event_index import UNKNOWN, CacheIndex, IndexEntry, append_stored
+from kvserve.kv.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVEvent
 
 
 @dataclass(frozen=True)
@@ -69,19 +69,7 @@ class CacheLog:
         """One block stored in `medium`: onto the last event when it continues its run."""
         assert self._events is not None and self.index is not None
         self.index.store(medium, key, entry)
-        last = self._events[-1] if self._events else None
-        if (
-            isinstance(last, BlockStored)
-            and last.medium == medium
-            and last.block_hashes[-1] == entry.parent
-            and last.salted == entry.salted
-            and bool(last.token_ids) == bool(entry.token_ids)
-        ):
-            last.block_hashes.append(key)
-            last.token_ids.extend(entry.token_ids)
-        else:
-            self._events.append(BlockStored([key], entry.parent, list(entry.token_ids),
-                                            self.block_size, entry.salted, medium))  # fmt: skip
+        append_stored(self._events, medium, key, entry, self.block_size)
 
     def stored_in_group(
         self, indices: list[int], keys: Sequence[bytes], contents: Sequence[int],

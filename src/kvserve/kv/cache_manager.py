@@ -44,6 +44,9 @@ free-but-cached.
 * Eviction (kv/eviction.py, ``eviction``): ARC by default in the pool and the host tier, so
   that blocks reused since they were cached outlive one-off ones; ``free`` gives a request's
   blocks its retention priority (lower ones are evicted first).
+* Admission (kv/admission.py, ``store_threshold``): an evicted block takes a full host
+  tier's slot, and a host drop a full disk's, only once requests computed or hit it that many
+  times (into free room it always goes).
 * Pins (kv/pins.py): ``try_pin_prefix`` holds the full blocks of a cached prefix for good
   (up to ``max_pinned_blocks``); ``reset_prefix_cache`` keeps them unless ``include_pinned``.
 * ``fork`` lets a sibling sequence (parallel sampling) share a request's blocks by reference;
@@ -58,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.config import DEFAULT_RETENTION_PRIORITY
+from kvserve.kv.admission import MAX_COUNTED_KEYS, ReuseAdmission
 from kvserve.kv.block_hasher import BlockHasher, BlockHashes
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.cache_log import CacheLog, NewBlock
@@ -73,7 +77,14 @@ from kvserve.kv.groups import (
     prefix_tables,
 )
 from kvserve.kv.host_tier import HostTier, HostTransfers
-from kvserve.kv.miss_reasons import MISS_REASONS, MissClassifier
+from kvserve.kv.miss_reasons import (
+    EVICTED_TIERS,
+    MISS_REASONS,
+    TIER_DEVICE,
+    TIER_DISK,
+    TIER_HOST,
+    MissClassifier,
+)
 from kvserve.kv.pins import Pin, PrefixPins
 from kvserve.kv.spec import KVCacheGroup, blocks_kept, cdiv
 
@@ -149,6 +160,8 @@ class PrefixCacheStats:
     host_hits: int = 0  # of the hits, those loaded from the host tier (or the disk below it)
     disk_hits: int = 0  # of the host tier's, those read from the disk tier
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+    # misses["evicted"] by the tier the blocks last fell out of (device, host, disk)
+    evicted_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTED_TIERS, 0))
 
 
 class KVCacheManager:
@@ -169,6 +182,7 @@ class KVCacheManager:
         event_index: CacheIndex | None = None,
         eviction: str = "arc",
         max_pinned_blocks: int = 0,
+        store_threshold: int = 1,
     ) -> None:
         """`extra_key` is the namespace of every block key (the KV dtype); `public_prefixes`
         token-id prefixes whose blocks are shared across cache salts (both go to
@@ -180,7 +194,9 @@ class KVCacheManager:
         new one, `event_index` of this manager), which a subscriber's snapshot reads;
         `eviction` the policy of both tiers (kv/eviction.py); `max_pinned_blocks` the cap of
         pinned blocks (kv/pins.py); `num_disk_blocks` the disk tier's capacity below the
-        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds."""
+        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds;
+        `store_threshold` the times a block must be computed or hit before it is stored in
+        the tier below (kv/admission.py; 1: every evicted block)."""
         self.block_size = block_size
         self.windows = tuple(g.window for g in groups) or (0,)
         # One full-attention group: the prefix search as it always was, with the host tier.
@@ -197,8 +213,11 @@ class KVCacheManager:
         self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
         self.event_index = self._log.index
         disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
+        self.admission = ReuseAdmission(
+            store_threshold, min(MAX_COUNTED_KEYS, 4 * (num_blocks + num_host_blocks) + 1024)
+        )
         self.host = (
-            HostTier(num_host_blocks, eviction, disk)
+            HostTier(num_host_blocks, eviction, disk, self.admission.admits)
             if num_host_blocks and enable_caching else None
         )  # fmt: skip
 
@@ -299,9 +318,7 @@ class KVCacheManager:
             return False
         self._log_disk_changes()
         self._log.removed(dropped, MEDIUM_CPU)
-        for old in dropped:
-            if self.pool.lookup(old) is None and not self.host.holds(old):
-                self._misses.record_removed(old)
+        self._record_host_drops(dropped)
         return True
 
     def _cut_prefix(self, cached: CachedPrefix, num_host: int) -> CachedPrefix:
@@ -328,7 +345,7 @@ class KVCacheManager:
             if held:
                 self._log.removed([key], MEDIUM_DISK)
             if self.pool.lookup(key) is None and not host.holds(key):
-                self._misses.record_removed(key)
+                self._misses.record_removed(key, TIER_DISK)
 
     def _prefix_of_groups(self, keys: Sequence[bytes], in_flight: dict[bytes, int]) -> CachedPrefix:
         """The longest prefix of `keys` that every group holds, in the pool or among the
@@ -608,12 +625,15 @@ class KVCacheManager:
         stats.host_hits += num_host_hit_tokens
         stats.disk_hits += num_disk_hit_tokens
         hashes = self._hashes(request)
-        counts = self._misses.classify(
+        self.admission.see(hashes.keys[: num_hit_tokens // self.block_size])
+        misses = self._misses.classify(
             hashes.contents, hashes.keys, num_tokens, num_hit_tokens, self.block_size,
             _EitherTier(self.pool.cached_keys, self.host),
         )  # fmt: skip
-        for reason, num in counts.items():
+        for reason, num in misses.by_reason.items():
             stats.misses[reason] += num
+        for tier, num in misses.evicted_by_tier.items():
+            stats.evicted_by_tier[tier] += num
 
     def cache_full_blocks(self, request: HashedRequest, num_computed_tokens: int) -> None:
         """Register under their keys the blocks whose tokens are now all computed."""
@@ -627,6 +647,7 @@ class KVCacheManager:
         hashes = self._hashes(request)
         tables = self._tables[request_id]
         table = tables[0]
+        self.admission.see(hashes.keys[start:num_full])
         stored: list[int] = []  # indices of group 0's blocks this call cached
         for i in range(start, num_full):
             if self._cache_block(table[i], hashes.keys[i]):
@@ -665,20 +686,31 @@ class KVCacheManager:
 
     def _on_evict(self, block_id: int, key: bytes, reused: bool, priority: int) -> None:
         """The pool evicted a cached block to make room: its content moves to the host tier
-        when there is one with a slot to spare, else it is gone (an `evicted` miss later)."""
+        when there is one with a slot to spare and admission lets it (a free slot, a key
+        seen often enough to displace another, or one held there already), else it is gone
+        (an `evicted` miss of the device later)."""
         host = self.host
         held = host is not None and key in host
-        kept, dropped = host.offload(block_id, key, reused, priority) if host else (False, [])
+        kept, dropped = False, []
+        if host is not None and (held or not host.is_full or self.admission.admits(key)):
+            kept, dropped = host.offload(block_id, key, reused, priority)
         self._log_disk_changes()
         self._log.removed(dropped, MEDIUM_CPU)
         if kept and not held:
             self._log.copied([key], MEDIUM_GPU, MEDIUM_CPU)  # announced there, then gone here
         self._log.evicted(key)
-        if not kept:
-            self._misses.record_removed(key)
-        for old in dropped:  # gone from the host; on the device or disk, it is no miss yet
-            if self.pool.lookup(old) is None and not self.host.holds(old):
-                self._misses.record_removed(old)
+        if not kept and (host is None or not host.holds(key)):
+            self._misses.record_removed(key, TIER_DEVICE)
+        self._record_host_drops(dropped)
+
+    def _record_host_drops(self, dropped: Sequence[bytes]) -> None:
+        """Keys the host tier dropped: gone (an `evicted` miss of the host later) unless the
+        device caches them or the disk took them."""
+        host = self.host
+        for old in dropped:
+            assert host is not None
+            if self.pool.lookup(old) is None and not host.holds(old):
+                self._misses.record_removed(old, TIER_HOST)
 
     def _log_disk_changes(self) -> None:
         """KV events of the disk tier: blocks the host dropped there (announced as the host
@@ -688,6 +720,9 @@ class KVCacheManager:
         stored, deleted = self.host.take_disk_changes()
         self._log.copied(stored, MEDIUM_CPU, MEDIUM_DISK)
         self._log.removed(deleted, MEDIUM_DISK)
+        for key in deleted:  # its file is gone: a miss of the disk unless a tier above has it
+            if self.pool.lookup(key) is None and key not in self.host:
+                self._misses.record_removed(key, TIER_DISK)
 
     def reset_prefix_cache(self, include_pinned: bool = False) -> int:
         """Drop every cached block that no request holds (blocks in use stay cached, pinned
@@ -698,14 +733,11 @@ class KVCacheManager:
         dropped = self.pool.drop_free_cached()
         host_keys = self.host.clear() if self.host is not None else []
         disk_keys = self.host.clear_disk() if self.host is not None else []
-        for key in disk_keys:
-            if self.pool.lookup(key) is None and key not in host_keys:
-                self._misses.record_removed(key)
-        for key in dropped:
-            self._misses.record_removed(key)
-        for key in host_keys:
-            if self.pool.lookup(key) is None:
-                self._misses.record_removed(key)
+        # each key's miss is the lowest tier's that held it: recorded top down, the last wins
+        for keys, tier in ((dropped, TIER_DEVICE), (host_keys, TIER_HOST), (disk_keys, TIER_DISK)):
+            for key in keys:
+                if self.pool.lookup(key) is None:
+                    self._misses.record_removed(key, tier)
         if self.pool.num_cached_blocks == 0 and (dropped or host_keys or disk_keys):
             self._log.cleared()  # the host tier is emptied whole: no tier holds a block
         else:

@@ -53,6 +53,11 @@ class DiskTier:
         return list(self._keys)
 
     @property
+    def is_full(self) -> bool:
+        """Whether storing a new key must delete a file (admission gates only then)."""
+        return len(self._keys) >= self.num_blocks
+
+    @property
     def usage(self) -> float:
         return min(1.0, len(self._keys) / self.num_blocks)
 

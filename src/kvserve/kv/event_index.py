@@ -93,6 +93,27 @@ class CacheIndex:
         return events
 
 
+def append_stored(
+    events: list[Any], medium: str, key: bytes, entry: IndexEntry, block_size: int
+) -> None:
+    """One block stored in `medium`, onto `events`: onto the last event when it is a
+    BlockStored run of the same medium that the block continues (its parent is the run's last
+    block, alike in saltedness and in having its tokens), else as a run of its own."""
+    last = events[-1] if events else None
+    if (
+        isinstance(last, BlockStored)
+        and last.medium == medium
+        and last.block_hashes[-1] == entry.parent
+        and last.salted == entry.salted
+        and bool(last.token_ids) == bool(entry.token_ids)
+    ):
+        last.block_hashes.append(key)
+        last.token_ids.extend(entry.token_ids)
+    else:
+        events.append(BlockStored([key], entry.parent, list(entry.token_ids), block_size,
+                                  entry.salted, medium))  # fmt: skip
+
+
 def chain_runs(medium: str, held: dict[bytes, IndexEntry], block_size: int) -> list[BlockStored]:
     """`held` as BlockStored runs, depth first from each block whose parent `held` lacks: a
     run follows a chain while the next block is alike in saltedness and in having its tokens
@@ -109,17 +130,6 @@ def chain_runs(medium: str, held: dict[bytes, IndexEntry], block_size: int) -> l
     while stack:
         key = stack.pop()
         entry = held[key]
-        last = runs[-1] if runs else None
-        if (
-            last
-            and last.block_hashes[-1] == entry.parent
-            and last.salted == entry.salted
-            and bool(last.token_ids) == bool(entry.token_ids)
-        ):
-            last.block_hashes.append(key)
-            last.token_ids.extend(entry.token_ids)
-        else:
-            runs.append(BlockStored([key], entry.parent, list(entry.token_ids), block_size,
-                                    entry.salted, medium))  # fmt: skip
+        append_stored(runs, medium, key, entry, block_size)
         stack.extend(reversed(children.get(key, ())))
     return runs

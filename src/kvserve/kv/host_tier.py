@@ -33,10 +33,16 @@ and forward pass).
 
 A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
 reused for the host's policy too; it keeps the retention priority it had on the device.
+
+Admission (kv/admission.py, --kv-offloading-store-threshold): once this tier is full, the
+cache manager offers it only the evicted blocks seen often enough to displace an entry, and
+`admit` gates the drops written to a full disk the same way (a refused drop is simply gone; a
+key on disk already stays there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import DEFAULT_RETENTION_PRIORITY
@@ -66,11 +72,19 @@ class HostTransfers:
 
 
 class HostTier:
-    def __init__(self, num_slots: int, eviction: str = "arc", disk: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        eviction: str = "arc",
+        disk: DiskTier | None = None,
+        admit: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        """`admit(key)`: whether a dropped entry may be written to `disk` (None: every one)."""
         if num_slots < 0:
             raise ValueError(f"a host tier needs >= 0 slots, got {num_slots}")
         self.num_slots = num_slots
         self.disk = disk
+        self._admit = admit
         # Slots filled in this step by the offload of a device block.
         self._fresh: dict[int, int] = {}
         self._reading: dict[bytes, int] = {}  # key -> slot a disk read fills (reserved)
@@ -97,6 +111,11 @@ class HostTier:
     def keys(self) -> list[bytes]:
         """The keys held, least recently used first."""
         return list(self._slot_of)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether taking a slot must drop an entry (admission gates only then)."""
+        return not self._free_slots
 
     @property
     def num_unpinned_slots(self) -> int:
@@ -156,8 +175,12 @@ class HostTier:
 
     def _demote(self, key: bytes, slot: int) -> None:
         """A dropped entry goes to the disk tier: from its slot (written before the step's
-        other copies), or from the device block whose offload of this step was to fill it."""
+        other copies), or from the device block whose offload of this step was to fill it.
+        Not when the disk is full and `admit` refuses a key it lacks."""
         if self.disk is None:
+            return
+        disk = self.disk
+        if self._admit is not None and key not in disk and disk.is_full and not self._admit(key):
             return
         write, deleted = self.disk.store(key)
         if write:

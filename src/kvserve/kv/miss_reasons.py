@@ -4,7 +4,9 @@
                       block when the prompt ends on a block boundary (the last token is always
                       computed: its logits are needed)
     evicted           the block was cached under this very key and has since been evicted (or
-                      dropped by a reset)
+                      dropped by a reset); split by the tier it last fell out of, the lowest
+                      that held it: device (no host tier, or not admitted to it), host (not
+                      admitted to disk, or no disk tier) or disk (its file deleted)
     isolated          the same tokens were cached recently under another key: another KV
                       dtype (a store written with another --kv-cache-dtype), or, only when
                       the operator asks (--enable-cross-salt-miss-reason), another cache salt
@@ -26,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
 
 
 class MissReason(enum.Enum):
@@ -39,6 +42,8 @@ MISS_REASONS = tuple(r.value for r in MissReason)
 # the values as plain strings: the classification loop reads them (an enum member's .value
 # is a descriptor call)
 _BELOW, _ISOLATED, _EVICTED, _NEVER_SEEN = MISS_REASONS
+# the tiers an evicted block can fall out of, top down (kv/host_tier.py, kv/disk_tier.py)
+TIER_DEVICE, TIER_HOST, TIER_DISK = EVICTED_TIERS = ("device", "host", "disk")
 MAX_RECORD_ENTRIES = 1 << 18  # ~256k entries each, tens of MB at most
 
 
@@ -49,11 +54,20 @@ class _BoundedRecord(OrderedDict):
         super().__init__()
         self.capacity = capacity
 
-    def put(self, key: bytes | int, value: bytes | None = None) -> None:
+    def put(self, key: bytes | int, value: bytes | str | None = None) -> None:
         self[key] = value
         self.move_to_end(key)
         if len(self) > self.capacity:
             self.popitem(last=False)
+
+
+@dataclass
+class Misses:
+    """One lookup's missed tokens by reason (reasons with no token left out), and the
+    `evicted` ones by the tier they fell out of (tiers with no token left out)."""
+
+    by_reason: dict[str, int]
+    evicted_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class MissClassifier:
@@ -61,7 +75,7 @@ class MissClassifier:
 
     def __init__(self, num_blocks: int, report_cross_salt: bool = False) -> None:
         capacity = min(MAX_RECORD_ENTRIES, max(1024, 4 * num_blocks))
-        self._removed = _BoundedRecord(capacity)  # key -> None
+        self._removed = _BoundedRecord(capacity)  # key -> the tier it fell out of
         self._shadow = _BoundedRecord(capacity)  # content hash -> key
         self._foreign = _BoundedRecord(capacity)  # keys of another KV dtype's store -> None
         self.report_cross_salt = report_cross_salt
@@ -84,8 +98,9 @@ class MissClassifier:
         while len(shadow) > shadow.capacity:
             shadow.popitem(last=False)
 
-    def record_removed(self, key: bytes) -> None:
-        self._removed.put(key)
+    def record_removed(self, key: bytes, tier: str = TIER_DEVICE) -> None:
+        """`key` is held by no tier any more; `tier` is the lowest that held it."""
+        self._removed.put(key, tier)
 
     def classify(
         self,
@@ -95,24 +110,29 @@ class MissClassifier:
         num_hit_tokens: int,
         block_size: int,
         cached_keys: Container[bytes],
-    ) -> dict[str, int]:
-        """Missed tokens of one lookup by reason (reasons with no token are left out).
+    ) -> Misses:
+        """Missed tokens of one lookup by reason, the evicted ones by tier.
 
         `keys`/`contents` cover at least the blocks a hit could cover,
-        (num_tokens - 1) // block_size; the first num_hit_tokens // block_size were hits."""
+        (num_tokens - 1) // block_size; the first num_hit_tokens // block_size were hits.
+        An evicted key the bounded record forgot (its content still in the shadow index)
+        counts as fallen out of the device."""
         max_blocks = (num_tokens - 1) // block_size
         counts = {_BELOW: num_tokens - max_blocks * block_size}
-        reason = _NEVER_SEEN
+        tiers: dict[str, int] = {}
+        reason, tier = _NEVER_SEEN, TIER_DEVICE
         shadow, removed = self._shadow, self._removed
         for i in range(num_hit_tokens // block_size, max_blocks):
             key = keys[i]
             if key not in cached_keys:  # else: cached, but behind a miss; the same reason
                 last_key = shadow.get(contents[i])
                 if last_key == key or key in removed:
-                    reason = _EVICTED
+                    reason, tier = _EVICTED, removed.get(key) or TIER_DEVICE
                 elif last_key is not None and (self.report_cross_salt or last_key in self._foreign):
                     reason = _ISOLATED
                 else:
                     reason = _NEVER_SEEN
             counts[reason] = counts.get(reason, 0) + block_size
-        return counts
+            if reason == _EVICTED:
+                tiers[tier] = tiers.get(tier, 0) + block_size
+        return Misses(counts, tiers)

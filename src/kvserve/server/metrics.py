@@ -72,12 +72,26 @@ class _EngineStatsCollector(Collector):
         for reason, value in s.prefix_cache_misses.items():
             misses.add_metric([*self._labels.values(), reason], value)
         yield misses
+        yield self._evicted_by_tier(s)
         yield from self._host_tier(s)
         info = GaugeMetricFamily(
             "kvserve:cache_config_info", "KV cache configuration.", labels=list(self._cache_info)
         )
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
+
+    def _evicted_by_tier(self, s: SchedulerStats) -> Metric:
+        """The `evicted` misses split by the tier the blocks last fell out of (a family of
+        its own: the reason family's series stay as scrapers know them)."""
+        family = CounterMetricFamily(
+            "kvserve:prefix_cache_evicted_miss_tokens",
+            "Prompt tokens missed as evicted, by the lowest tier that held them (device, "
+            'host, disk); they sum to prefix_cache_miss_tokens{reason="evicted"}.',
+            labels=[*self._labels, "tier"],
+        )
+        for tier, value in s.prefix_cache_evicted_by_tier.items():
+            family.add_metric([*self._labels.values(), tier], value)
+        return family
 
     def _families(self, rows: list[tuple[type, str, str, float]]) -> Iterator[Metric]:
         """One family per (kind, name, help, value) row, with the server's labels."""
