@@ -43,7 +43,8 @@ class SchedulerOutput:
     blocks_to_host: list[tuple[int, int]] = field(default_factory=list)
     blocks_from_host: list[tuple[int, int]] = field(default_factory=list)
     # The disk tier's (--kv-offloading-dir), before those: host slots written to files (host
-    # slot, key), then files read into host slots (key, host slot); after every copy, the
+    # slot, key), then reads of files into reserved host slots started (key, host slot: a
+    # reader thread makes them; ModelRunnerOutput reports them done); after every copy, the
     # files of these keys are deleted.
     host_to_disk: list[tuple[int, bytes]] = field(default_factory=list)
     device_to_disk: list[tuple[int, bytes]] = field(default_factory=list)  # (block, key)
@@ -54,7 +55,7 @@ class SchedulerOutput:
     def has_tier_copies(self) -> bool:
         """Whether the step copies blocks between tiers (a failed step may have made only
         some of them)."""
-        return bool(self.blocks_to_host or self.blocks_from_host or self.disk_to_host)
+        return bool(self.blocks_to_host or self.blocks_from_host)
 
     @property
     def has_disk_copies(self) -> bool:
@@ -83,6 +84,11 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests whose ScheduledRequest.sample is True
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # The disk tier's reads that ended since the last output (rank 0's; another rank waits
+    # for its own before a load from the slot): in their host slots, or failed (file gone or
+    # corrupt: a miss).
+    disk_reads_done: tuple[bytes, ...] = ()
+    disk_reads_failed: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve import kv_quant as quant
 from kvserve.engine.llm_engine import StepFailedError
 from kvserve.errors import ParameterError
+from kvserve.runner.disk_tier import block_file
 
 BLOCK = 16
 BLOCK_BYTES = BLOCK * 512
@@ -49,7 +50,9 @@ def generate(llm: LLM, request_id: str, prompt: list[int], max_tokens: int):
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(request_id, prompt, params)
-    engine.step()  # the whole prompt in one step
+    engine.step()  # the whole prompt in one step (once its disk reads, if any, are done)
+    while request_id not in engine.cache_manager.block_tables:
+        engine.step()
     kv = block_kv(llm, engine.cache_manager.block_tables[request_id][:4])
     done = []
     while engine.has_unfinished_requests():
@@ -191,3 +194,47 @@ def test_blocks_the_host_tier_drops_come_back_from_disk_and_after_a_restart(tiny
     third, kv_third = generate(restarted, "a3", A, 8)
     assert restarted.engine.get_stats().prefix_cache_host_hits == 64  # all 4 blocks, from disk
     assert torch.equal(kv_third, kv_first) and third == first
+
+
+def test_a_disk_hit_waits_while_others_run_and_a_file_gone_when_read_is_recomputed(
+    tiny_dir, tmp_path
+):
+    """A's 4 blocks are on disk only; when A comes again another server deletes its third
+    block's file after the lookup: A waits in the queue for its reads while D runs, then
+    loads the first two and recomputes the rest, with the same tokens; no tier is cleared."""
+    C = [(i * 7727) % 40000 + 13 for i in range(150)]
+    D = [(i * 3571) % 40000 + 17 for i in range(20)]
+    disk = dict(kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2**20,
+                kv_offloading_store_threshold=1)  # fmt: skip
+    llm = make(tiny_dir, 5 * BLOCK_BYTES / 2**30, **disk)
+    first, _ = generate(llm, "a", A, 8)
+    generate(llm, "b", B, 8)
+    generate(llm, "c", C, 8)
+    engine = llm.engine
+    blocks = engine.executor.driver_worker.runner.disk_blocks
+    blocks.flush()
+    start_reads = blocks.start_reads
+    read = []
+
+    def deleting_the_third(keys_and_slots):
+        assert len(keys_and_slots) == 4
+        read.extend(key for key, _ in keys_and_slots)
+        block_file(blocks.directory, keys_and_slots[2][0]).unlink()
+        start_reads(keys_and_slots)
+
+    blocks.start_reads = deleting_the_third
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("a2", A, params)
+    engine.add_request("d", D, params)
+    engine.step()
+    assert "d" in engine.cache_manager.block_tables  # d runs while a2 waits for its reads
+    assert "a2" not in engine.cache_manager.block_tables
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert done["a2"] == first
+    disk_tier = engine.cache_manager.host.disk
+    assert disk_tier.stats.num_lost_blocks == 1 and blocks.num_failed_reads == 1
+    assert engine.get_stats().prefix_cache_host_hits == 32  # 2 blocks; the rest recomputed
+    assert [key in disk_tier for key in read] == [True, True, False, True]  # none cleared
+    engine.cache_manager.check_invariants()

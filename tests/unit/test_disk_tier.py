@@ -47,7 +47,7 @@ def test_an_entry_dropped_in_the_step_that_offloaded_it_is_written_from_its_devi
     assert host.holds(b"k0") and b"k0" not in host
 
 
-def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
+def test_a_disk_hit_is_read_into_a_reserved_host_slot_then_loaded():
     cm = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=8, enable_events=True)
     run(cm, "a", A)
     cm.take_host_transfers()
@@ -64,6 +64,18 @@ def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
     hit = cm.find_cached_prefix(make_request(cm, "a2", A))
     assert hit.num_tokens == 8 and hit.num_host_tokens == 8  # both from disk, via the host
     assert hit.num_disk_tokens == 8
+    assert cm.fetch_disk_hits(hit) is None  # reads started: the request waits
+    assert cm.fetch_disk_hits(hit) is None  # still on their way (no second read)
+    moved = cm.take_host_transfers()
+    assert [key for key, _ in moved.from_disk] == a_keys and not moved.loads
+    read_slots = [slot for _, slot in moved.from_disk]
+    # the b blocks the reads dropped from the host were written first (not fresh)
+    assert {slot for slot, _ in moved.to_disk} == set(read_slots)
+    assert cm.host.num_unpinned_slots == 0  # reserved until the reads are reported
+    cm.check_invariants()
+    cm.finish_disk_reads(a_keys, [])
+    assert cm.host.num_unpinned_slots == 2
+    assert cm.fetch_disk_hits(hit) == hit  # all in host slots now: admitted
     run(cm, "a2", A)
     tiers = _tier_stats(cm)  # /metrics' figures: the 8 tokens came from disk, via the host
     assert (tiers["device"].hit_tokens, tiers["host"].hit_tokens, tiers["disk"].hit_tokens) == (
@@ -71,13 +83,8 @@ def test_a_disk_hit_is_read_into_a_pinned_host_slot_then_loaded():
     assert tiers["disk"] == TierStats(8, 6, 8, 2, 6)  # 6 files of 8; 2 read, 6 written
     assert tiers["host"] == TierStats(0, 2, 2, 2, 6)  # 2 loads up, 6 offloads in
     moved = cm.take_host_transfers()
-    assert [key for key, _ in moved.from_disk] == a_keys
-    # each read lands in the slot its load copies from, and no offload of the step takes it
-    read_slots = [slot for _, slot in moved.from_disk]
-    assert [slot for _, slot in moved.loads] == read_slots
-    assert not {slot for _, slot in moved.offloads} & set(read_slots)
-    # the b blocks the promotions dropped from the host were written first (not fresh)
-    assert {slot for slot, _ in moved.to_disk} == set(read_slots)
+    # each load copies from the slot its read filled
+    assert [slot for _, slot in moved.loads] == read_slots and not moved.from_disk
     stats = cm.prefix_stats
     assert stats.host_hits == 8 and stats.misses["evicted"] == 0
     assert set(a_keys) <= cm.event_index.keys("DISK") & cm.event_index.keys("GPU")

@@ -258,7 +258,8 @@ class LLMEngine:
         except Exception as exc:
             failed = self._abort_step(scheduler_output)
             if scheduler_output.has_tier_copies:
-                # The host tier's copies may not have run: forget what either tier caches.
+                # The host tier's copies may not have run: forget what every tier caches
+                # (disk reads under way are reported by a later step all the same).
                 self.cache_manager.reset_prefix_cache()
             try:
                 self.cache_manager.check_invariants()
@@ -284,6 +285,8 @@ class LLMEngine:
             scheduler_output = self.structured.with_bitmask(scheduler_output)
         with record_function("kvserve::model"):
             runner_output = self.executor.execute(scheduler_output)
+        self.scheduler.finish_disk_reads(runner_output.disk_reads_done,
+                                         runner_output.disk_reads_failed)  # fmt: skip
         with record_function("kvserve::update_detokenize"):
             sampled = runner_output.sampled_token_ids
             grammar_stops = self.structured.advance(scheduler_output, sampled)  # {}: none

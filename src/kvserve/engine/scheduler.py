@@ -27,6 +27,11 @@ cached on the device; those the other requests then evict are copied to host mem
 (kv/host_tier.py), and on resumption its prefix lookup loads them back, so it recomputes at
 most its last partial block instead of everything.
 
+With a disk tier below it (--kv-offloading-dir) a request whose prefix has blocks on disk
+only is passed over while a reader thread brings them into host slots (the cache manager's
+`fetch_disk_hits`); the others are admitted meanwhile, and it is admitted once the runner
+has reported its reads (`finish_disk_reads`; a failed read is a miss, recomputed).
+
 Parallel sampling: siblings of a request (``fork_of``) wait until its prompt is computed, then
 share its prompt blocks by reference and recompute only the last prompt token (they need its
 logits to sample their own first token); the shared partial block is copied on write.
@@ -37,6 +42,7 @@ Pure Python: the scheduler needs a SchedulerConfig and a KVCacheManager, nothing
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 
 from kvserve.engine.request_queue import RequestQueue
 from kvserve.engine.scheduling_policy import WaitingOrder, priority_key
@@ -71,6 +77,7 @@ class Scheduler:
         self.growth_reserve = 0.0  # fraction of future growth kept free at admission
         self._finished_ids: list[str] = []
         self._pending_forks: dict[str, list[Request]] = {}  # source id -> siblings
+        self._fetching: set[str] = set()  # waiting for their prefix's disk reads
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -112,6 +119,7 @@ class Scheduler:
         # Siblings still waiting for this request's prompt compute it themselves.
         self.waiting.extend(self._pending_forks.pop(request_id, []))
         request.status = status
+        self._fetching.discard(request_id)  # its disk reads go on: their blocks stay cached
         self.cache_manager.free(request_id, request.kv_retention_priority)
         self._finished_ids.append(request_id)
 
@@ -197,15 +205,18 @@ class Scheduler:
         cm = self.cache_manager
         in_flight = self._blocks_in_flight(scheduled)
         growth = sum(self._growth_blocks(r, cm.num_blocks_of(r.request_id)) for r in self.running)
-        num_slots = self.max_num_seqs - len(self.running)
-        for request in self.order.candidates(self.waiting, num_slots, self._cached_tokens):
+        for request in self._candidates(self.max_num_seqs - len(self.running)):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             forked = cm.num_blocks_of(request.request_id) > 0  # holds its sibling's blocks
             cached = NO_PREFIX
             if not forked:
-                cached = cm.find_cached_prefix(request)
-                cached = cm.extend_with_in_flight(request, cached, in_flight)
+                fetched = cm.fetch_disk_hits(cm.find_cached_prefix(request))
+                if fetched is None:  # its blocks are on their way from disk: others first
+                    self._fetching.add(request.request_id)
+                    continue
+                self._fetching.discard(request.request_id)
+                cached = cm.extend_with_in_flight(request, fetched, in_flight)
             num_computed = request.num_computed_tokens if forked else cached.num_tokens
             num_new = cm.chunk_limit(num_computed, min(request.num_tokens - num_computed, budget))
             own_growth = self._growth_blocks(request, cm.blocks_needed(num_computed + num_new))
@@ -229,6 +240,27 @@ class Scheduler:
             budget -= num_new
             growth += own_growth
         return budget
+
+    def _candidates(self, num_slots: int) -> Iterator[Request]:
+        """The policy's candidates for `num_slots`, then more while requests waiting for their
+        disk reads are passed over (as many more as they are), each once."""
+        tried: set[str] = set()
+        while True:
+            batch = [r for r in self.order.candidates(self.waiting, num_slots + len(self._fetching),
+                                                      self._cached_tokens)
+                     if r.request_id not in tried]  # fmt: skip
+            if not batch:
+                return
+            for request in batch:
+                tried.add(request.request_id)
+                yield request
+
+    def finish_disk_reads(self, done: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """The runner's report of disk reads since the last one (ModelRunnerOutput): the
+        requests waiting for them are admitted from the next step on (a failed read's blocks
+        are computed)."""
+        if done or failed:
+            self.cache_manager.finish_disk_reads(done, failed)
 
     def _cached_tokens(self, request: Request) -> int:
         """Tokens a waiting request would not compute: its cached prefix (both tiers), or

@@ -32,7 +32,9 @@ free-but-cached.
   cached block is copied to host memory instead of being lost, and ``find_cached_prefix``
   continues the device run with blocks found there: ``allocate_slots`` gives each a fresh
   device block, caches it again under its key and queues the host -> device copy
-  (``take_host_transfers``, drained by the scheduler into the step's output).
+  (``take_host_transfers``, drained by the scheduler into the step's output).  Blocks on the
+  disk tier below the host are read into host slots first (``fetch_disk_hits``, reported
+  by ``finish_disk_reads``) while the request waits in the queue.
 * KV cache groups (kv/groups.py): with layers of several attention kinds (sliding windows
   and full attention) a request has one table per group, all from the one pool; a window
   group frees the blocks that leave its window as the request grows, and a cached prefix
@@ -278,9 +280,72 @@ class KVCacheManager:
         host_keys = self._host_run(keys[num_device:])
         host_contents = tuple(hashes.contents[num_device : num_device + len(host_keys)])
         num_tokens = (num_device + len(host_keys)) * self.block_size
-        num_disk = sum(1 for key in host_keys if key not in self.host) if host_keys else 0
+        num_disk = sum(1 for key in host_keys if self._from_disk(key)) if host_keys else 0
         return CachedPrefix(block_ids, num_tokens, host_keys, host_contents,
                             num_disk_blocks=num_disk)  # fmt: skip
+
+    def _from_disk(self, key: bytes) -> bool:
+        """Whether a host-tier hit of `key` is the disk tier's: on disk only, being read, or
+        read and not loaded since (counted as a disk hit when the request is admitted)."""
+        assert self.host is not None
+        return key not in self.host or self.host.came_from_disk(key)
+
+    def fetch_disk_hits(self, cached: CachedPrefix) -> CachedPrefix | None:
+        """Start the reads of `cached`'s blocks that are on disk only (into reserved host
+        slots, by the runner's reader thread).  None while any of its blocks is still on its
+        way: the request waits in the queue (others run) until `finish_disk_reads` reports
+        them.  Else the prefix, all in the host tier (cut before a block whose read found
+        no free slot: those tokens are computed)."""
+        host = self.host
+        if host is None or host.disk is None or not cached.host_keys:
+            return cached
+        host.pin([key for key in cached.host_keys if key in host])  # not dropped by the reads
+        pending = False
+        for index, key in enumerate(cached.host_keys):
+            if key in host:
+                continue
+            if not host.is_reading(key) and not self._start_read(key):
+                return None if pending else self._cut_prefix(cached, index)
+            pending = True
+        return None if pending else cached
+
+    def _start_read(self, key: bytes) -> bool:
+        """Queue the disk read of `key` (False: no host slot for it), with its events and
+        the misses of what it pushes out of the host tier."""
+        assert self.host is not None
+        dropped = self.host.start_read(key)
+        if dropped is None:
+            return False
+        self._log_disk_changes()
+        self._log.removed(dropped, MEDIUM_CPU)
+        self._record_host_drops(dropped)
+        return True
+
+    def _cut_prefix(self, cached: CachedPrefix, num_host: int) -> CachedPrefix:
+        """`cached` with only its first `num_host` host-tier blocks."""
+        keys = cached.host_keys[:num_host]
+        num_disk = sum(1 for key in keys if self._from_disk(key))
+        return CachedPrefix(cached.block_ids, (len(cached.block_ids) + num_host) * self.block_size,
+                            keys, cached.host_contents[:num_host],
+                            num_disk_blocks=num_disk)  # fmt: skip
+
+    def finish_disk_reads(self, done: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """The runner's report of the disk reads that landed in their host slots (`done`)
+        and those that found their file gone or corrupt (`failed`: the disk tier forgets
+        them; a request waiting for one computes those tokens)."""
+        host = self.host
+        if host is None:
+            return
+        for key in done:
+            if host.finish_read(key, True):
+                self._log.copied([key], MEDIUM_DISK, MEDIUM_CPU)
+        for key in failed:
+            held = host.disk is not None and key in host.disk
+            host.finish_read(key, False)
+            if held:
+                self._log.removed([key], MEDIUM_DISK)
+            if self.pool.lookup(key) is None and not host.holds(key):
+                self._misses.record_removed(key, TIER_DISK)
 
     def _prefix_of_groups(self, keys: Sequence[bytes], in_flight: dict[bytes, int]) -> CachedPrefix:
         """The longest prefix of `keys` that every group holds, in the pool or among the
@@ -314,13 +379,20 @@ class KVCacheManager:
         """The leading keys held by the host tier or the disk below it (and not on the device:
         a block after a host hit may still be cached on the device, but the run goes on
         through the host), at most as many as the host has unpinned slots: each is pinned
-        while it is loaded, a disk hit in a slot of its own."""
-        if self.host is None:
+        while it is loaded, a disk hit read into a slot of its own (a key pinned or being
+        read holds its slot already)."""
+        host = self.host
+        if host is None:
             return ()
         run = []
-        for key in keys[: self.host.num_unpinned_slots]:
-            if not self.host.holds(key) or self.pool.lookup(key) is not None:
+        num_slots = host.num_unpinned_slots
+        for key in keys:
+            if not host.holds(key) or self.pool.lookup(key) is not None:
                 break
+            if not host.is_pinned(key) and not host.is_reading(key):
+                if num_slots == 0:
+                    break
+                num_slots -= 1
             run.append(key)
         return tuple(run)
 
@@ -472,10 +544,8 @@ class KVCacheManager:
         if not keys:
             return []
         assert self.host is not None
-        self.host.pin([key for key in keys if key in self.host])
-        for key in keys:
-            if key not in self.host:
-                self._promote(key)
+        assert all(key in self.host for key in keys), "fetch_disk_hits first"
+        self.host.pin(keys)
         block_ids = self.pool.allocate(len(keys))
         for key, block_id in zip(keys, block_ids, strict=True):
             stored = self.pool.cache(block_id, key)
@@ -484,17 +554,6 @@ class KVCacheManager:
         self._log.copied(keys, MEDIUM_CPU, MEDIUM_GPU)
         self._misses.record_cached(cached.host_contents, keys)
         return block_ids
-
-    def _promote(self, key: bytes) -> None:
-        """A disk-tier hit into a host slot (pinned), with its events and the misses of what
-        it pushes out of the host tier."""
-        assert self.host is not None
-        dropped = self.host.promote(key)
-        assert dropped is not None, "no host slot for a disk-tier hit"
-        self._log_disk_changes()
-        self._log.removed(dropped, MEDIUM_CPU)
-        self._log.copied([key], MEDIUM_DISK, MEDIUM_CPU)
-        self._record_host_drops(dropped)
 
     def _load_group_hits(self, cached: CachedPrefix, tables: list[list[int]]) -> list[int]:
         """_load_from_host for the groups' hits: each HOST_HIT entry of `tables` becomes a

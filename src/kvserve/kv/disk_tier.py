@@ -3,7 +3,12 @@ in LRU order, within a capacity in blocks.  Pure Python: the files are written a
 runner/disk_tier.py, the host tier (kv/host_tier.py) queues the copies.
 
     host slots --drop (LRU)--> write (host slot -> file, by a writer thread)
-    lookup miss on device and host, hit here --> read (file -> host slot), then the host's load
+    lookup miss on device and host, hit here --> read (file -> host slot, by a reader
+        thread, while the request waits in the queue), then the host's load
+
+The folder may be shared by several servers of one model, each evicting by its own LRU: a
+file that vanished (another server deleted it) or is corrupt when read is a miss, not an
+error: `lost` forgets the key and the request recomputes those tokens.
 
 A key's content never changes, so a key already on disk is not written again, and a block
 promoted from disk keeps its file (dropped from the host again, it costs no write).  The
@@ -23,6 +28,7 @@ class DiskTierStats:
     num_written_blocks: int = 0  # host -> disk
     num_read_blocks: int = 0  # disk -> host (disk-tier hits)
     num_deleted_blocks: int = 0  # files evicted (LRU) to stay within the capacity
+    num_lost_blocks: int = 0  # files gone or corrupt when read (another server's eviction)
 
 
 class DiskTier:
@@ -40,6 +46,11 @@ class DiskTier:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The keys with a file, least recently used first."""
+        return list(self._keys)
 
     @property
     def is_full(self) -> bool:
@@ -65,9 +76,21 @@ class DiskTier:
         return True, deleted
 
     def read(self, key: bytes) -> None:
-        """A hit: the key's file is read into a host slot (the key stays here, now MRU)."""
+        """A hit: the key's file is being read into a host slot (the key stays here, now
+        MRU; counted once the read lands, `read_done`)."""
         self._keys.move_to_end(key)
+
+    def read_done(self) -> None:
         self.stats.num_read_blocks += 1
+
+    def lost(self, key: bytes) -> bool:
+        """The key's file could not be read (gone or corrupt): forget it.  False when it was
+        forgotten already (a reset, or the capacity deleted it meanwhile)."""
+        if key not in self._keys:
+            return False
+        del self._keys[key]
+        self.stats.num_lost_blocks += 1
+        return True
 
     def clear(self) -> list[bytes]:
         """Forget every key (a prefix cache reset): their files are deleted."""

@@ -21,10 +21,15 @@ so that no offload of the same step can overwrite it first.
 With a disk tier below (kv/disk_tier.py, --kv-offloading-dir) an entry the host drops is not
 lost either: its slot is written to a file (*to_disk*, queued before the step's other copies,
 so the slot is read before an offload or a read reuses it), and a lookup that misses here but
-finds the key on disk *promotes* it: a host slot, pinned, is filled from the file (*from_disk*)
-and then loaded like any host hit.  An entry dropped in the step that offloaded it has no
-bytes in its slot yet: its file is written from the device block instead (*device_to_disk*,
-which still holds them until the step's loads and forward pass).
+finds the key on disk *reads* it (`start_read`): a host slot is reserved and filled from the
+file by a reader thread (*from_disk*) while the request waits in the queue; when the runner
+reports the read done (`finish_read`) the key is an ordinary entry here, loaded like any host
+hit.  A reserved slot is never given to another key until its read is reported, even when
+the tier is cleared meanwhile or nobody waits for it any more (the thread writes into it); a
+read that failed frees its slot and the disk tier forgets the key (a miss: recomputed).  An
+entry dropped in the step that offloaded it has no bytes in its slot yet: its file is written
+from the device block instead (*device_to_disk*, which still holds them until the step's loads
+and forward pass).
 
 A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
 reused for the host's policy too; it keeps the retention priority it had on the device.
@@ -80,8 +85,11 @@ class HostTier:
         self.num_slots = num_slots
         self.disk = disk
         self._admit = admit
-        # Slots filled in this step: by the offload of a device block, or (None) from disk.
-        self._fresh: dict[int, int | None] = {}
+        # Slots filled in this step by the offload of a device block.
+        self._fresh: dict[int, int] = {}
+        self._reading: dict[bytes, int] = {}  # key -> slot a disk read fills (reserved)
+        self._discarded: set[bytes] = set()  # of those, reads nobody keeps (cleared)
+        self._promoted: set[bytes] = set()  # read from disk, not loaded to the device yet
         self._disk_changes: tuple[list[bytes], list[bytes]] = ([], [])  # (stored, deleted)
         self._slot_of: dict[bytes, int] = {}
         self._evictable = PrioritizedEviction(eviction, num_slots)  # keys not pinned
@@ -111,7 +119,7 @@ class HostTier:
 
     @property
     def num_unpinned_slots(self) -> int:
-        return self.num_slots - len(self._pinned)
+        return self.num_slots - len(self._pinned) - len(self._reading)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -182,7 +190,6 @@ class HostTier:
         if write and block_id is not None:
             self._transfers.device_to_disk.append((block_id, key))
         elif write:
-            assert slot not in self._fresh, "a slot read from disk in this step was dropped"
             self._transfers.to_disk.append((slot, key))
         self._transfers.disk_deletes.extend(deleted)
 
@@ -193,29 +200,61 @@ class HostTier:
         return changes
 
     def holds(self, key: bytes) -> bool:
-        """Whether this tier or the disk below has the key's content."""
-        return key in self._slot_of or (self.disk is not None and key in self.disk)
+        """Whether this tier or the disk below has the key's content (or is reading it)."""
+        return (key in self._slot_of or key in self._reading
+                or (self.disk is not None and key in self.disk))  # fmt: skip
 
-    def promote(self, key: bytes) -> list[bytes] | None:
-        """Bring `key` from the disk tier into a host slot, pinned for this step, so that
-        `load` can fill a device block from it.  Returns the keys dropped from here to make
-        room (to disk), None when every slot is pinned."""
-        assert self.disk is not None and key in self.disk and key not in self._slot_of
+    def is_pinned(self, key: bytes) -> bool:
+        return key in self._pinned
+
+    def is_reading(self, key: bytes) -> bool:
+        """Whether a disk read of `key` is under way (not reported done yet)."""
+        return key in self._reading
+
+    def came_from_disk(self, key: bytes) -> bool:
+        """Whether `key` is held here because a disk read brought it, not loaded since."""
+        return key in self._promoted
+
+    def start_read(self, key: bytes) -> list[bytes] | None:
+        """Reserve a host slot for `key`, found on disk only, and queue its read.  Returns
+        the keys dropped from here to make room (to disk), None when every slot is pinned
+        or reserved (nothing queued)."""
+        assert self.disk is not None and key in self.disk
+        assert key not in self._slot_of and key not in self._reading
         slot, dropped = self._take_slot()
         if slot is None:
             return None
-        self._slot_of[key] = slot
-        self._pinned.add(key)
-        self._priority_of[key] = DEFAULT_RETENTION_PRIORITY
-        self._fresh[slot] = None
+        self._reading[key] = slot
         self._transfers.from_disk.append((key, slot))
         self.disk.read(key)
         return dropped
+
+    def finish_read(self, key: bytes, ok: bool) -> bool:
+        """The runner reports the read of `key` done (`ok`) or failed (file gone or
+        corrupt): an entry here, or its slot freed (and the disk forgets a failed key).
+        Returns whether the key is now held here by this read."""
+        slot = self._reading.pop(key, None)
+        if slot is None:
+            return False
+        kept = ok and key not in self._discarded and key not in self._slot_of
+        self._discarded.discard(key)
+        if self.disk is not None and not ok:
+            self.disk.lost(key)
+        if not kept:
+            self._free_slots.append(slot)
+            return False
+        self._slot_of[key] = slot
+        self._evictable.push(key, key, False, DEFAULT_RETENTION_PRIORITY)
+        self._promoted.add(key)
+        if self.disk is not None:
+            self.disk.read_done()
+        return True
 
     def load(self, key: bytes, block_id: int) -> None:
         """Fill device block `block_id` from the slot of `key` (found by `lookup` in this
         step, pinned by `pin`) until the step's transfers are taken."""
         assert key in self._pinned, "pin a key before loading it"
+        self._promoted.discard(key)
         self._transfers.loads.append((block_id, self._slot_of[key]))
         self.stats.num_loaded_blocks += 1
 
@@ -245,7 +284,10 @@ class HostTier:
 
     def clear(self) -> list[bytes]:
         """Forget every entry (a prefix cache reset); returns the keys, in eviction order.
-        Copies already queued still run (their slots are simply free afterwards)."""
+        Copies already queued still run (their slots are simply free afterwards); the slots
+        of reads under way stay reserved until each is reported, then are freed."""
+        self._discarded.update(self._reading)
+        self._promoted.clear()
         keys = [k for k in self._evictable if isinstance(k, bytes)]
         keys += [k for k in self._slot_of if k in self._pinned]
         self._free_slots.extend(self._slot_of[k] for k in reversed(keys))
@@ -267,6 +309,9 @@ class HostTier:
         used = set(self._slot_of.values())
         assert len(used) == len(self._slot_of), "two keys in one host slot"
         assert not used & set(self._free_slots), "a host slot both used and free"
-        assert len(used) + len(self._free_slots) == self.num_slots, "host slots lost"
+        reading = set(self._reading.values())
+        assert not reading & (used | set(self._free_slots)), "a reserved slot used or free"
+        assert len(used) + len(reading) + len(self._free_slots) == self.num_slots, "slots lost"
+        assert self._discarded <= set(self._reading), "a discarded read not under way"
         assert len(self._evictable) + len(self._pinned) == len(self._slot_of), "policy entries"
         assert all(k in self._slot_of for k in self._pinned), "a pinned key without a slot"

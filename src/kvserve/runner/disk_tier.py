@@ -7,10 +7,13 @@ The digest is the prefix store's (engine/prefix_store.py: model files, dtypes, b
 model shape, tokenizer), so servers of one model share blocks and others never read them.
 A block is written by a thread of its own (save_file to a temporary name, then an atomic
 rename: a reader never sees half a file); the engine thread only copies the host slot's rows
-(small: int8 codes by default) into the queue.  A read is synchronous on the engine thread,
-before the step's forward pass (one file of ~0.2 MiB for the embedded model; the request does
-not yet wait in the queue while others run): a block still queued for writing is read from
-the queue.  Deletions go through the same thread, after the writes queued before them.
+(small: int8 codes by default) into the queue.  Reads are made by a reader thread into host
+slots the bookkeeping reserved for them (kv/host_tier.py), while the requests that wait for
+them stay queued and the engine thread runs steps; `take_finished_reads` reports them at the
+end of each step.  A block still queued for writing is read from the queue.  A file that
+vanished (another server on the folder deleted it) or is corrupt is a failed read, logged
+once, reported as such: a miss, never a failed step.  Deletions go through the writer thread,
+after the writes queued before them.
 """
 
 from __future__ import annotations
@@ -87,6 +90,14 @@ class DiskBlocks:
         self._thread = threading.Thread(target=self._loop, name="kv-disk-writer", daemon=True)
         self._thread.start()
         self.num_errors = 0
+        self._reads: queue.Queue[tuple[bytes, int] | None] = queue.Queue()  # (key, slot)
+        self._reading_slots: set[int] = set()
+        self._finished: tuple[list[bytes], list[bytes]] = ([], [])  # (done, failed)
+        self._read_ended = threading.Condition(self._lock)
+        self.num_failed_reads = 0
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader",
+                                        daemon=True)  # fmt: skip
+        self._reader.start()
 
     def write(self, slots_and_keys: list[tuple[int, bytes]]) -> None:
         """Copy these host slots' rows now (the slots are reused in this step) and queue
@@ -118,16 +129,66 @@ class DiskBlocks:
             apply_host_transfers(device_caches, self._scratch, to_host=pairs, from_host=[])
             self._queue_write(key, self._snapshot(self._scratch_distinct, 0))
 
+    def start_reads(self, keys_and_slots: list[tuple[bytes, int]]) -> None:
+        """Queue the reads of these blocks into their (reserved) host slots."""
+        with self._lock:
+            self._reading_slots.update(slot for _, slot in keys_and_slots)
+        for item in keys_and_slots:
+            self._reads.put(item)
+
+    def take_finished_reads(self, wait_s: float = 0.0) -> tuple[list[bytes], list[bytes]]:
+        """The keys whose reads ended since the last call: (done, failed).  With `wait_s`,
+        waits up to that long for one to end when none has and some are under way (a step
+        with nothing else to run does not spin)."""
+        with self._lock:
+            if wait_s and self._reading_slots and not any(self._finished):
+                self._read_ended.wait(wait_s)
+            finished, self._finished = self._finished, ([], [])
+        return finished
+
+    def wait_for_slots(self, slots: list[int]) -> None:
+        """Block until no read fills one of these host slots (a load is about to copy them:
+        with several ranks, rank 0's report does not say this rank's reads are done)."""
+        wanted = set(slots)
+        with self._lock:
+            while self._reading_slots & wanted:
+                self._read_ended.wait()
+
     def read(self, keys_and_slots: list[tuple[bytes, int]]) -> None:
-        """Fill these host slots from their blocks' files (or the queue, not written yet)."""
+        """Fill these host slots from their blocks' files (or the queue, not written yet),
+        now (tests)."""
         for key, slot in keys_and_slots:
+            self._read_into(key, slot)
+
+    def _read_into(self, key: bytes, slot: int) -> None:
+        with self._lock:
+            tensors = self._pending.get(key)
+        if tensors is None:
+            tensors = load_file(block_file(self.directory, key, self.rank))
+        for i, cache in enumerate(self.caches):
+            for j, table in enumerate(cache.tensors):
+                table[slot].copy_(tensors[f"{i}.{j}"])
+
+    def _read_loop(self) -> None:
+        while (item := self._reads.get()) is not None:
+            key, slot = item
+            ok = True
+            try:
+                self._read_into(key, slot)
+            except Exception as exc:  # noqa: BLE001 - gone (another server) or corrupt: a miss
+                ok = False
+                self._log_failed_read(key, exc)
             with self._lock:
-                tensors = self._pending.get(key)
-            if tensors is None:
-                tensors = load_file(block_file(self.directory, key, self.rank))
-            for i, cache in enumerate(self.caches):
-                for j, table in enumerate(cache.tensors):
-                    table[slot].copy_(tensors[f"{i}.{j}"])
+                self._reading_slots.discard(slot)
+                self._finished[0 if ok else 1].append(key)
+                self._read_ended.notify_all()
+
+    def _log_failed_read(self, key: bytes, exc: Exception) -> None:
+        """Warn at the first failed read, then only count (a shared folder loses files)."""
+        self.num_failed_reads += 1
+        log = logger.warning if self.num_failed_reads == 1 else logger.debug
+        log("KV disk tier: block %s could not be read (%s: %s): a miss, recomputed; "
+            "later failures are only counted", key.hex(), type(exc).__name__, exc)  # fmt: skip
 
     def delete(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -140,7 +201,9 @@ class DiskBlocks:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
+        self._reads.put(None)
         self._thread.join()
+        self._reader.join()
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:

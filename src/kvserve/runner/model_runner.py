@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.profiler import record_function
@@ -205,11 +205,23 @@ class ModelRunner:
         num_blocks = self.kv_caches[0].key.shape[0]
         for num_tokens in token_counts:
             if cdiv(num_tokens, self.block_size) <= num_blocks:
-                self.execute(SchedulerOutput([dummy_request(num_tokens, self.block_size)], [], []))
+                self._execute(SchedulerOutput([dummy_request(num_tokens, self.block_size)], [], []))
         self._generators.clear()
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step; the output also reports the disk tier's reads that ended meanwhile
+        (taken last: a step that fails leaves them to the next one).  A step with nothing
+        to compute waits a little for one, rather than spin."""
+        result = self._execute(output)
+        if self.disk_blocks is None:
+            return result
+        done, failed = self.disk_blocks.take_finished_reads(0.0 if output.scheduled else 0.005)
+        if not done and not failed:
+            return result
+        return replace(result, disk_reads_done=tuple(done), disk_reads_failed=tuple(failed))
+
+    @torch.inference_mode()
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_request_ids:
             self._generators.pop(request_id, None)
         self._move_between_tiers(output)
@@ -250,12 +262,16 @@ class ModelRunner:
         disk = self.disk_blocks
         if disk is None and output.has_disk_copies:
             raise RuntimeError("the scheduler asked for disk-tier copies but there is no tier")
-        if disk is not None and output.host_to_disk:
-            disk.write(output.host_to_disk)
-        if disk is not None and output.device_to_disk:
-            disk.write_from_device(self.kv_caches, output.device_to_disk)
-        if disk is not None and output.disk_to_host:
-            disk.read(output.disk_to_host)
+        try:
+            if disk is not None and output.host_to_disk:
+                disk.write(output.host_to_disk)
+            if disk is not None and output.device_to_disk:
+                disk.write_from_device(self.kv_caches, output.device_to_disk)
+        finally:  # every read asked for is started, so that each is reported once
+            if disk is not None and output.disk_to_host:
+                disk.start_reads(output.disk_to_host)
+        if disk is not None and output.blocks_from_host:
+            disk.wait_for_slots([slot for _, slot in output.blocks_from_host])
         apply_host_transfers(
             self.kv_caches, self.host_kv_caches, output.blocks_to_host, output.blocks_from_host
         )
