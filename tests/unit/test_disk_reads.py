@@ -130,3 +130,24 @@ def test_a_block_file_gone_or_corrupt_is_a_failed_read_not_an_error(tmp_path):
     for cache in host:
         assert all(torch.equal(table[0], table[1]) for table in cache.tensors)
     disk.close()
+
+
+def test_the_reads_drops_onto_a_full_disk_never_delete_the_prefixs_own_files():
+    """A full disk whose least recently used file is A's second block: the first read's slot
+    drops a host entry onto the disk, which deletes a file to make room; the prefix's own
+    files go last, so both blocks are read and hit (before, the second file was deleted and
+    its read failed an assertion)."""
+    cm = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=4)
+    for request_id, tokens in (("a", A), ("b", B), ("c", [300 + i for i in range(16)])):
+        run(cm, request_id, tokens)
+        cm.take_host_transfers()
+    keys = cm._full_block_keys(make_request(cm, "x", A))[:2]
+    assert cm.host.disk.is_full and cm.host.disk.keys[:2] == [keys[1], keys[0]]
+    scheduler = Scheduler(4, 32, 64, cm)
+    add(scheduler, "a2", A)
+    out = scheduler.schedule()
+    assert [key for key, _ in out.disk_to_host] == keys and not out.scheduled
+    assert all(key in cm.host.disk for key in keys) and len(out.disk_deletes) == 2
+    scheduler.update_from_output(out, {})
+    scheduler.finish_disk_reads(keys, [])
+    assert scheduled(scheduler) == {"a2": 8}  # both blocks from disk, the last token computed

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.cache_manager import CachedPrefix, KVCacheManager
 from kvserve.request import Request, SamplingParams
 
 
@@ -57,7 +57,7 @@ class Simulator:
         cm = self.cm
         request = Request(f"r{next(self._ids)}", list(prompt), SamplingParams())
         request.hash_blocks_with(cm.block_hasher)
-        cached = cm.find_cached_prefix(request)
+        cached = self._fetched(cm.find_cached_prefix(request))
         num_new = len(prompt) - cached.num_tokens + len(answer)
         assert cm.allocate_slots(request.request_id, cached.num_tokens, num_new, cached)
         cm.record_prefix_query(request, cached.num_tokens, cached.num_host_tokens,
@@ -68,6 +68,15 @@ class Simulator:
         cm.free(request.request_id)
         cm.take_host_transfers()
         return cached.num_tokens
+
+    def _fetched(self, cached: CachedPrefix) -> CachedPrefix:
+        """The prefix once its disk-tier blocks are in host slots: the engine's reader thread
+        reads them while the request waits; here every read lands at once."""
+        cm = self.cm
+        while (fetched := cm.fetch_disk_hits(cached)) is None:
+            reads = cm.take_host_transfers().from_disk
+            cm.finish_disk_reads([key for key, _ in reads], [])
+        return fetched
 
     def result(self, hit_rate: float) -> Result:
         host = self.cm.host

@@ -300,11 +300,14 @@ class KVCacheManager:
         if host is None or host.disk is None or not cached.host_keys:
             return cached
         host.pin([key for key in cached.host_keys if key in host])  # not dropped by the reads
+        host.disk.touch(key for key in cached.host_keys if key not in host)
         pending = False
         for index, key in enumerate(cached.host_keys):
-            if key in host:
+            if key in host or host.is_reading(key):
+                pending = pending or key not in host
                 continue
-            if not host.is_reading(key) and not self._start_read(key):
+            # a read's drop to a full disk may have deleted this file: the rest is computed
+            if key not in host.disk or not self._start_read(key):
                 return None if pending else self._cut_prefix(cached, index)
             pending = True
         return None if pending else cached

@@ -75,6 +75,14 @@ class DiskTier:
         self.stats.num_deleted_blocks += len(deleted)
         return True, deleted
 
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark these keys used now, the first one last (most recent): the files that a
+        prefix's reads are about to need go after every other when the reads' drops make
+        room, and its later blocks before its earlier ones."""
+        for key in reversed(list(keys)):
+            if key in self._keys:
+                self._keys.move_to_end(key)
+
     def read(self, key: bytes) -> None:
         """A hit: the key's file is being read into a host slot (the key stays here, now
         MRU; counted once the read lands, `read_done`)."""
