@@ -3,8 +3,11 @@ time (issue 48): py-spy samples the server's threads while the single-stream cli
 
     .venv/bin/python benchmarks/single_stream_profile.py --num-prompts 8
 
-py-spy (`pip install py-spy`; it needs ptrace, which root has) records the server with
---native (C frames under the Python ones), --threads and --idle, into collapsed stacks.
+py-spy (`pip install py-spy`; it needs ptrace, which root has) records the server's threads
+into collapsed stacks: by default --nonblocking (the server runs on between samples) and only
+samples of threads on a CPU (a thread waiting for the GIL or for work is not counted); with
+--native the C frames too, idle samples included, at the cost of pausing the server for
+each sample (a step several times slower).
 Each sample of the engine thread (`kvserve-engine`) goes to the first category whose marker
 is one of its frames (CATEGORIES, in order); the event-loop thread (MainThread) counts as
 busy unless its innermost frames are the poller's wait.  Every count becomes milliseconds per
@@ -40,7 +43,10 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("LM head", ("compute_logits",)),
     ("attention, prefill", ("_prefills",)),
     ("attention, decode", ("CpuPagedBackend", "kvserve/attention/")),
-    ("projections (sgemm/sgemv)", ("sgemv", "sgemm", "mm_out", "at::native::linear")),
+    (
+        "projections (sgemm/sgemv; --native only)",
+        ("sgemv", "sgemm", "mm_out", "at::native::linear"),
+    ),
     (
         "norms, RoPE, SiLU, residuals",
         ("between_attentions", "LlamaForCausalLM.forward", "native_layers"),
@@ -107,6 +113,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second.")
     parser.add_argument("--out", default="results/single_stream_profile")
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="C frames too (and idle samples), pausing the server at each sample: slows a "
+        "step several-fold; without it only on-CPU samples, not pausing the server.",
+    )
     return parser.parse_args()
 
 
@@ -124,9 +136,11 @@ def main() -> int:
         server.wait_healthy(600.0)
         stacks = out / "stacks.txt"
         command = [py_spy, "record", "--pid", str(server.process.pid), "--rate", str(args.rate),
-                   "--format", "raw", "--threads", "--idle", "--native", "--nonblocking",
+                   "--format", "raw", "--threads",
+                   *(["--idle", "--native"] if args.native else ["--nonblocking"]),
                    "-o", str(stacks)]  # fmt: skip
-        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        log = (out / "py-spy.log").open("w")
+        recorder = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         time.sleep(2.0)  # py-spy attached
         dataset = DatasetConfig(num_prompts=args.num_prompts, random_input_len=args.input_len,
                                 random_output_len=args.output_len)  # fmt: skip
