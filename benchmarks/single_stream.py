@@ -127,6 +127,8 @@ def run_server(
         f"failed {doc['failed']}",
         flush=True,
     )
+    for error in sorted({row["error"] for row in doc["requests"] if row["error"]}):
+        print(f"  {name} failure: {error}", flush=True)
     return {k: v for k, v in doc.items() if k not in ("requests", "timeline")}
 
 

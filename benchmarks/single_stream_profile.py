@@ -48,7 +48,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         ("sgemv", "sgemm", "mm_out", "at::native::linear"),
     ),
     (
-        "norms, RoPE, SiLU, residuals",
+        "layer code outside attention (norms, RoPE, SiLU; projections without --native)",
         ("between_attentions", "LlamaForCausalLM.forward", "native_layers"),
     ),  # fmt: skip
     ("sampling", ("kvserve/runner/sampling.py", "_sampling_batch", "ModelRunner._logprobs")),
