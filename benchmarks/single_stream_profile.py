@@ -1,5 +1,5 @@
 """Where a one-row decode step's time goes while `kvserve serve` answers one request at a
-time (issue 48): py-spy samples the server's threads while the single-stream client runs.
+time: py-spy samples the server's threads while the single-stream client runs.
 
     .venv/bin/python benchmarks/single_stream_profile.py --num-prompts 8
 
