@@ -277,7 +277,7 @@ def test_a_restart_keeps_the_cache(restarted):
         assert httpx.post(f"{b.base_url}/reset_prefix_cache").status_code == 401
         assert http_b.post("/reset_prefix_cache").status_code == 200
         assert completion(http_b, RESTART_PROMPT) == 0
-    assert "loaded 3 cached blocks from 1 of 1 groups" in b.log()
+    assert "3 cached blocks from 1 of 1 groups indexed" in b.log()
 
 
 def test_another_kv_dtype_does_not_load_the_store(restarted):

@@ -238,3 +238,22 @@ def test_a_disk_hit_waits_while_others_run_and_a_file_gone_when_read_is_recomput
     assert engine.get_stats().prefix_cache_host_hits == 32  # 2 blocks; the rest recomputed
     assert [key in disk_tier for key in read] == [True, True, False, True]  # none cleared
     engine.cache_manager.check_invariants()
+
+
+def test_the_prefix_store_is_read_lazily_under_a_host_tier_and_bit_for_bit(tiny_dir, tmp_path):
+    """--prefix-cache-dir read when a request needs it: after a restart nothing is read at
+    start-up; B fills the device, then A's stored blocks are read back into blocks evicted
+    from B (whose K/V go to the host tier first), and both come back bit for bit."""
+    store = dict(prefix_cache_dir=str(tmp_path))
+    llm = make(tiny_dir, HOST_GIB, **store)
+    first, kv_first = generate(llm, "a", A, 8)
+    llm.engine.close()  # writes the store
+    restarted = make(tiny_dir, HOST_GIB, **store)
+    assert restarted.engine.cache_manager.pool.num_cached_blocks == 0  # indexed, not read
+    b_first, kv_b = generate(restarted, "b", B, 8)
+    again, kv_again = generate(restarted, "a2", A, 8)
+    assert restarted.engine.get_stats().prefix_cache_hits == 64  # A's 4 blocks, from disk
+    assert torch.equal(kv_again, kv_first) and again == first
+    b_again, kv_b_again = generate(restarted, "b2", B, 8)
+    assert torch.equal(kv_b_again, kv_b) and b_again == b_first
+    restarted.engine.close()

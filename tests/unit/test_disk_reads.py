@@ -151,3 +151,20 @@ def test_the_reads_drops_onto_a_full_disk_never_delete_the_prefixs_own_files():
     scheduler.update_from_output(out, {})
     scheduler.finish_disk_reads(keys, [])
     assert scheduled(scheduler) == {"a2": 8}  # both blocks from disk, the last token computed
+
+
+def test_a_file_another_server_wrote_after_the_start_is_found_and_read(tmp_path):
+    """Two servers on one folder: the second listed it before the first wrote A's blocks;
+    its lookup finds their files all the same (the probe) and reads them."""
+    writer = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=8)
+    keys = writer._full_block_keys(make_request(writer, "x", A))[:2]
+    folder: set[bytes] = set()  # the files on disk, as the probe sees them
+    cm = KVCacheManager(4, block_size=4, num_host_blocks=2, num_disk_blocks=8,
+                        disk_probe=folder.__contains__)  # fmt: skip
+    assert cm.find_cached_prefix(make_request(cm, "a", A)).num_tokens == 0  # none yet
+    folder.update(keys)  # the first server writes them
+    scheduler = Scheduler(4, 32, 64, cm)
+    add(scheduler, "a2", A)
+    out = scheduler.schedule()
+    assert [key for key, _ in out.disk_to_host] == keys and not out.scheduled
+    assert cm.host.disk.stats.num_found_blocks == 2

@@ -125,7 +125,7 @@ def test_copies_waiting_for_a_slow_writer_stay_bounded_and_all_are_written(tmp_p
     release.set()
     store.close(manager)  # gives the writer time to make room: everything is written
     caches2, manager2 = engine(NUM_BLOCKS)
-    assert PrefixStore(tmp_path, PRINT, 2**30, caches2).load(manager2) == 6
+    assert PrefixStore(tmp_path, PRINT, 2**30, caches2).index(manager2) == 6
 
 
 def test_nothing_in_the_directory_stops_the_start_up_and_strays_are_kept(tmp_path, caplog):
@@ -146,7 +146,7 @@ def test_nothing_in_the_directory_stops_the_start_up_and_strays_are_kept(tmp_pat
     caches2, manager2 = engine(NUM_BLOCKS)
     store2 = PrefixStore(tmp_path, PRINT, 2**30, caches2)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert store2.load(manager2) == 2
+        assert store2.index(manager2) == 2
     assert "group-7 (copy).safetensors (not a group file)" in caplog.text
     assert "group-0000000003.safetensors (not a group file)" in caplog.text
     assert "holds a JSON list" in caplog.text
@@ -173,7 +173,7 @@ def test_a_second_server_on_the_directory_says_who_holds_it_and_writes_nothing(t
         second = PrefixStore(tmp_path, PRINT, 2**30, caches2)
         assert second.state is StoreState.READ_ONLY
         assert f"held by another server (pid {os.getpid()})" in caplog.text
-        assert second.load(manager2) == 2  # it reads what the first wrote
+        assert second.index(manager2) == 2  # it reads what the first wrote
         cache_prompt(caches2, manager2, "b", PROMPTS[1])
         assert second.save(manager2) == 0
         assert returns_within(second.clear, 1.0)
@@ -234,7 +234,7 @@ def test_a_group_whose_stored_fingerprint_differs_is_not_loaded_and_kept(tmp_pat
 
     caches2, manager2 = engine(NUM_BLOCKS)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
-        assert PrefixStore(tmp_path, PRINT, 2**30, caches2).load(manager2) == 0
+        assert PrefixStore(tmp_path, PRINT, 2**30, caches2).index(manager2) == 0
     reason = "model_files: stored other, now None" if stored != "none" else "format: stored None"
     assert "the fingerprint it holds differs" in caplog.text and reason in caplog.text
     assert group.read_bytes() == data
@@ -247,7 +247,7 @@ def test_a_directory_that_cannot_be_used_leaves_the_server_without_the_store(tmp
     caches, manager = engine(NUM_BLOCKS)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         store = PrefixStore(root, PRINT, 2**30, caches)
-        assert store.load(manager) == 0
+        assert store.index(manager) == 0
         cache_prompt(caches, manager, "a", PROMPTS[0])
         assert store.save(manager) == 0
         store.clear()

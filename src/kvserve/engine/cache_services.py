@@ -1,8 +1,9 @@
 """What the prefix cache does beyond the engine's own steps: KV events on a ZMQ socket
 (engine/kv_events.py) and the store on disk (engine/prefix_store.py).
 
-The engine calls `after_step` once per step (drains the cache manager's events into the
-publisher's queue; saves new blocks every PREFIX_CACHE_SAVE_INTERVAL_S), `reset` for
+The engine calls `before_schedule` once per step (reads back the stored blocks that the head
+of the waiting queue would hit), `after_step` once per step (drains the cache manager's events
+into the publisher's queue; saves new blocks every PREFIX_CACHE_SAVE_INTERVAL_S), `reset` for
 POST /reset_prefix_cache and `close` on a clean shutdown, all on its own thread.  With neither
 feature on, `after_step` is two attribute checks.  The store never fails a request, a reset or
 the start-up: its errors turn it off and are counted (`num_store_errors`).
@@ -11,19 +12,20 @@ the start-up: its errors turn it off and are counted (`num_store_errors`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.config import PREFIX_CACHE_SAVE_INTERVAL_S, CacheConfig
 from kvserve.engine.public_prefixes import public_prefix_token_ids
 from kvserve.engine.sizing import KVCacheSizing
-from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.cache_manager import HashedRequest, KVCacheManager
 from kvserve.kv.event_index import CacheIndex
 from kvserve.kv.spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from kvserve.engine.prefix_store import LayerKVTensors
+    from kvserve.executor.abstract import Executor
 
 
 def store_shape(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVCacheSpec) -> str:
@@ -54,6 +56,7 @@ class PrefixCacheServices:
         self._num_closed_store_errors = 0  # the store's errors, once it is closed
         self._store_dir = config.prefix_cache_dir
         self._store_max_bytes = config.prefix_cache_dir_max_size
+        self._run_tier_copies: Callable[[], object] = lambda: None
         # What the events describe: the cache manager's log updates it, snapshots read it.
         self.event_index: CacheIndex | None = None
         events = config.kv_events
@@ -91,9 +94,11 @@ class PrefixCacheServices:
         fingerprint: dict[str, str],
         kv_caches: list[LayerKVTensors],
         cache_manager: KVCacheManager,
+        run_tier_copies: Callable[[], object],
     ) -> None:
-        """With --prefix-cache-dir: load the matching blocks into `cache_manager` (never
-        raises: a directory the store cannot use leaves it off or read-only)."""
+        """With --prefix-cache-dir: index the matching blocks, read when a request needs them
+        (never raises: a directory the store cannot use leaves it off or read-only).
+        `run_tier_copies` runs a step of tier copies only (PrefixStore.fetch)."""
         if self._store_dir is None:
             return
         from kvserve.engine.prefix_store import PrefixStore
@@ -102,7 +107,15 @@ class PrefixCacheServices:
         # (attention/kv_cache.py), and a stored block is one group's, every slot of it.
         slots = list({id(cache): cache for cache in kv_caches}.values())
         self.store = PrefixStore(Path(self._store_dir), fingerprint, self._store_max_bytes, slots)
-        self.store.load(cache_manager)
+        self.store.index(cache_manager)
+        self._run_tier_copies = run_tier_copies
+
+    def before_schedule(
+        self, waiting: Sequence[HashedRequest], cache_manager: KVCacheManager
+    ) -> None:
+        """Read back from the store what the first `waiting` requests would hit there."""
+        if self.store is not None:
+            self.store.fetch(list(waiting), cache_manager, self._run_tier_copies)
 
     def after_step(self, cache_manager: KVCacheManager) -> None:
         if self.publisher is not None:
@@ -137,12 +150,18 @@ class PrefixCacheServices:
             self.publisher = None
 
     def make_cache_manager(
-        self, sizing: KVCacheSizing, tokenizer: object, disk_keys: Sequence[bytes] = ()
+        self,
+        sizing: KVCacheSizing,
+        tokenizer: object,
+        executor: Executor | None = None,
+        disk_dir: Path | None = None,
     ) -> KVCacheManager:
         """The KV cache manager over the device blocks that every rank allocated, with the
         events and new-block tracking these services need; the disk tier's index starts with
-        `disk_keys` (the blocks its folder holds)."""
+        the blocks its folder `disk_dir` holds (listed by the `executor`, which also finds the
+        files that other servers write there later)."""
         cache = self.config
+        on_disk = executor is not None and disk_dir is not None
         return KVCacheManager(
             sizing.num_blocks,
             sizing.spec.block_size,
@@ -161,6 +180,7 @@ class PrefixCacheServices:
             eviction=cache.prefix_cache_eviction,
             max_pinned_blocks=int(cache.max_pinned_prefix_fraction * sizing.num_blocks),
             num_disk_blocks=sizing.num_disk_blocks,
-            disk_keys=disk_keys,
+            disk_keys=executor.disk_tier_keys(disk_dir) if on_disk else (),
+            disk_probe=executor.disk_tier_probe(disk_dir) if on_disk else None,
             store_threshold=cache.kv_offloading_store_threshold,
         )  # fmt: skip

@@ -99,9 +99,7 @@ class LLMEngine:
             str(disk_dir) if disk_dir is not None else None,
         )  # fmt: skip
         ex.warm_up()  # writes into the first blocks: before the prefix store loads any
-        self.cache_manager = self.services.make_cache_manager(
-            sizing, self.tokenizer, ex.disk_tier_keys(disk_dir) if disk_dir is not None else ()
-        )
+        self.cache_manager = self.services.make_cache_manager(sizing, self.tokenizer, ex, disk_dir)
         self.pins = PrefixPinning(self.cache_manager, self.config.cache.max_pinned_prefix_fraction,
                                sizing.spec.bytes_per_block)  # fmt: skip
         self.scheduler = Scheduler(
@@ -132,11 +130,16 @@ class LLMEngine:
         return size_disk_tier(sizing, cache.kv_offloading_dir_size, cache.kv_offloading_dir)
 
     def _open_prefix_store(self) -> None:
-        """Load the blocks of --prefix-cache-dir whose fingerprint matches (cold cached)."""
+        """Index the blocks of --prefix-cache-dir whose fingerprint matches (read lazily)."""
         if not self.config.cache.enable_prefix_caching:
             return
         print_ = self._store_fingerprint()
-        self.services.open_store(print_, self.executor.kv_caches, self.cache_manager)
+        self.services.open_store(
+            print_,
+            self.executor.kv_caches,
+            self.cache_manager,
+            lambda: self._run_scheduled(self.scheduler.tier_copies_only()),
+        )
 
     def _store_fingerprint(self) -> dict[str, str]:
         """What stored K/V depend on: the prefix store's and the disk tier's folder name."""
@@ -250,6 +253,7 @@ class LLMEngine:
         StepFailedError names them; the engine can go on.  EngineCorruptedError when the
         block bookkeeping no longer adds up afterwards: the engine must not go on."""
         with record_function("kvserve::schedule"):
+            self.services.before_schedule(self.scheduler.waiting.first(4), self.cache_manager)
             scheduler_output = self.scheduler.schedule()
         try:
             outputs = self._run_scheduled(scheduler_output)

@@ -17,15 +17,19 @@ loses at most one interval.  Each group is written to a temporary name and renam
 reader never sees half a file.  Over the size budget, the oldest groups (of any fingerprint)
 are deleted first, as memory evicts its least recently used blocks.
 
-At start-up, the groups of the directory whose fingerprint matches this engine are loaded,
-newest first while free blocks last, as cold cached blocks: free, hashed, at the end of the
-LRU queue that eviction takes from.  A store with another fingerprint is logged with the
-reason and left alone; when only the KV dtype differs, its content hashes tell the miss
-classifier that those tokens are `isolated`.
+The store is a tier below the KV cache, read lazily.  At start-up the groups of the directory
+whose fingerprint matches this engine are indexed (their keys and content hashes, not their
+K/V); the groups this server writes join the index.  Before each step, the blocks that would
+extend the cached prefix of a request at the head of the waiting queue, and that no tier
+holds but the store, are read back (`fetch`, on the engine thread: consecutive rows of a
+group in one read) into device blocks, cached and free, which that step's lookup finds.  A
+block evicted from memory since it was saved comes back the same way.  A store with another
+fingerprint is logged with the reason and left alone; when only the KV dtype differs, its
+content hashes tell the miss classifier that those tokens are `isolated`.
 
 The store fails safe (StoreState): serving never depends on it.
 - One server writes a directory: the first takes DIR/kvserve.lock; another one (a second
-  replica with the same flags) logs the holder's pid and is READ_ONLY: it loads at start-up
+  replica with the same flags) logs the holder's pid and is READ_ONLY: it reads the blocks
   and never writes or deletes a file.
 - Any error of the writer or of the copies for it (disk full, directory deleted or read-only,
   any exception type) turns the store OFF: one error line naming the directory,
@@ -48,6 +52,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -64,12 +69,13 @@ from kvserve.engine.store_writer import (
     try_lock,
 )
 from kvserve.kv.cache_log import NewBlock
-from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.cache_manager import HashedRequest, KVCacheManager
 
 logger = logging.getLogger("kvserve")
 
 STORE_FORMAT = "kvserve-prefix-store-1"  # bump when block keys or the file layout change
 MAX_GROUP_BLOCKS = 1024
+MAX_FETCH_BYTES = 256 * 2**20  # K/V read back for one waiting request before a step, at most
 MAX_PENDING_BYTES = 512 * 2**20  # K/V copies waiting for the writer, at most (+ one group)
 WRITER_STALL_S = 30.0  # at shutdown: give up on a writer that finishes nothing for this long
 LOCK_NAME = "kvserve.lock"
@@ -132,6 +138,7 @@ class _Group:
     path: Path
     keys: list[bytes]
     num_bytes: int
+    contents: list[int]  # the statistics-only content hash of each block
 
 
 class PrefixStore:
@@ -156,7 +163,8 @@ class PrefixStore:
         self.holder: str | None = None  # READ_ONLY: the pid that holds the lock
         self._block_bytes = _bytes_per_block(kv_caches)
         self._groups: dict[Path, _Group] = {}  # ours, oldest first
-        self._on_disk: set[bytes] = set()
+        # Every stored block, by key: (its group file, its row there, its content hash).
+        self._index: dict[bytes, tuple[Path, int, int]] = {}
         self._pending: dict[bytes, NewBlock] = {}  # no room for their copies yet
         self._next_seq = 0
         self._last_save = time.monotonic()
@@ -193,35 +201,109 @@ class PrefixStore:
             self.writer.fail(exc, "opening the directory")
 
     # ------------------------------------------------------------------ start-up
-    def load(self, cache_manager: KVCacheManager) -> int:
-        """Load the matching groups as cold cached blocks; returns the number of blocks.
-        Never raises: an unexpected error drops what was loaded and turns the store off."""
+    def index(self, cache_manager: KVCacheManager) -> int:
+        """List the matching groups' blocks (their keys and content hashes, not their K/V:
+        `fetch` reads a block when a request needs it); returns how many.  Never raises:
+        an unexpected error turns the store off."""
         if self.state is StoreState.OFF:
             return 0
         try:
-            return self._load(cache_manager)
-        except Exception as exc:  # noqa: BLE001
-            cache_manager.reset_prefix_cache()  # at start-up: only the blocks loaded here
-            self.writer.fail(exc, "loading")
-            return 0
-
-    def _load(self, cache_manager: KVCacheManager) -> int:
-        self._report_other_stores(cache_manager)
-        paths = self._scan()
-        room, chosen = cache_manager.pool.num_free_blocks, []  # at start-up: all uncached
-        for path in reversed(paths):  # newest first while blocks last
-            group = self._read_keys(path)
-            if group is not None and room > 0:
-                chosen.append(group)
-                room -= len(group.keys)
-            if group is not None:
+            self._report_other_stores(cache_manager)
+            paths = self._scan()
+            groups = [g for g in map(self._read_keys, paths) if g is not None]
+            for group in groups:
                 self._add_group(group)
-        num_loaded = sum(self._load_group(g, cache_manager) for g in reversed(chosen))
+        except Exception as exc:  # noqa: BLE001
+            self._index.clear()
+            self.writer.fail(exc, "indexing")
+            return 0
         logger.info(
-            "prefix cache store %s: loaded %d cached blocks from %d of %d groups",
-            self.directory, num_loaded, len(chosen), len(paths),
+            "prefix cache store %s: %d cached blocks from %d of %d groups indexed, read when "
+            "a request needs them", self.directory, len(self._index), len(groups), len(paths),
         )  # fmt: skip
-        return num_loaded
+        return len(self._index)
+
+    # ------------------------------------------------------------------ serving
+    def fetch(
+        self,
+        requests: list[HashedRequest],
+        cache_manager: KVCacheManager,
+        run_tier_copies: Callable[[], object],
+    ) -> int:
+        """Before a step: read back the stored blocks that would extend these waiting
+        requests' cached prefixes (what no tier holds), into device blocks cached and free
+        (the lookup of the step about to be scheduled finds them).  On the engine thread, at
+        most MAX_FETCH_BYTES a request; a block that does not read back (gone with the size
+        budget or a reset of another server, corrupt) is a miss: it and the blocks after it
+        are computed.  `run_tier_copies` runs the copies that the blocks' evictions queued
+        (a host tier's offloads), before the reads overwrite those blocks.  Returns the
+        number of blocks read."""
+        if not self._index or self.state is StoreState.OFF:
+            return 0
+        num_read = 0
+        for request in requests:
+            found = cache_manager.stored_prefix_keys(request, self._index)
+            found = found[: max(1, MAX_FETCH_BYTES // max(1, self._block_bytes))]
+            contents = [self._index[key][2] for _, key in found]
+            tensors, num_rows = self._read_rows([key for _, key in found])
+            block_ids = cache_manager.cache_stored_blocks(
+                request, found[:num_rows], contents[:num_rows]
+            )
+            if not block_ids:
+                continue
+            if cache_manager.host is not None:
+                run_tier_copies()
+            self._copy_in(tensors, block_ids)
+            num_read += len(block_ids)
+        return num_read
+
+    def _read_rows(self, keys: list[bytes]) -> tuple[dict[str, torch.Tensor], int]:
+        """The stored tables of `keys`, in order, up to the first that does not read back:
+        (name -> [n, ...] tensor, n)."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        num_rows = 0
+        for path, rows in _runs((self._index[key][0], self._index[key][1]) for key in keys):
+            try:
+                read = self._read_run(path, rows, keys[num_rows : num_rows + len(rows)])
+            except Exception as exc:  # noqa: BLE001 - a miss, never a failed step
+                self._forget(path, exc)
+                break
+            for name, tensor in read.items():
+                parts.setdefault(name, []).append(tensor)
+            num_rows += len(rows)
+        return {name: torch.cat(ts) for name, ts in parts.items()}, num_rows
+
+    def _read_run(self, path: Path, rows: range, keys: list[bytes]) -> dict[str, torch.Tensor]:
+        """Rows `rows` (consecutive) of a group file: every layer's tables, checked against
+        the keys they must hold."""
+        with safe_open(str(path), framework="pt") as f:
+            if self._foreign(path, f.metadata()):
+                raise ValueError("its fingerprint changed")
+            if _rows(f.get_slice("keys")[rows.start : rows.stop]) != keys:
+                raise ValueError("its keys changed since they were indexed")
+            tensors = {
+                f"{layer}.{name}": f.get_slice(f"{layer}.{name}")[rows.start : rows.stop]
+                for layer, cache in enumerate(self.kv_caches)
+                for name, _ in _tables(cache)
+            }
+        self._check_shapes(tensors, len(rows))
+        return tensors
+
+    def _forget(self, path: Path, exc: Exception) -> None:
+        """A group that did not read back: its blocks leave the index (a missing file is
+        only forgotten; a broken one is dropped as at start-up)."""
+        if isinstance(exc, FileNotFoundError):
+            self._remove_group(path)
+        else:
+            self._drop_broken(path, exc)
+
+    def _copy_in(self, tensors: dict[str, torch.Tensor], block_ids: list[int]) -> None:
+        device = self.kv_caches[0].key.device
+        dst = torch.tensor(block_ids, device=device)
+        n = len(block_ids)
+        for layer, cache in enumerate(self.kv_caches):
+            for name, table in _tables(cache):
+                table[dst] = tensors[f"{layer}.{name}"][:n].to(device)
 
     def _scan(self) -> list[Path]:
         """This fingerprint's group files, oldest first.  Anything else is left alone with a
@@ -279,11 +361,14 @@ class PrefixStore:
             with safe_open(str(path), framework="pt") as f:
                 foreign = self._foreign(path, f.metadata())
                 keys = [] if foreign else _rows(f.get_tensor("keys"))
+                contents = [] if foreign else f.get_tensor("contents").tolist()
+                if len(contents) != len(keys):
+                    raise ValueError(f"{len(keys)} keys, {len(contents)} contents")
             size = path.stat().st_size
         except Exception as exc:  # noqa: BLE001 - a broken file never stops the server
             self._drop_broken(path, exc)
             return None
-        return None if foreign else _Group(path, keys, size)
+        return None if foreign else _Group(path, keys, size, contents)
 
     def _foreign(self, path: Path, metadata: dict[str, str] | None) -> bool:
         """Whether the fingerprint stored in a file differs from this engine's (warned)."""
@@ -300,30 +385,6 @@ class PrefixStore:
             )  # fmt: skip
         return bool(reasons)
 
-    def _load_group(self, group: _Group, cache_manager: KVCacheManager) -> int:
-        try:
-            with safe_open(str(group.path), framework="pt") as f:
-                if self._foreign(group.path, f.metadata()):  # replaced since _read_keys
-                    return 0
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-            self._check_shapes(tensors, len(group.keys))
-            if _rows(tensors["keys"]) != group.keys:
-                raise ValueError("its keys changed since they were read")
-        except Exception as exc:  # noqa: BLE001
-            self._drop_broken(group.path, exc)
-            return 0
-        block_ids = cache_manager.load_cold_blocks(group.keys, tensors["contents"].tolist())
-        rows = [i for i, b in enumerate(block_ids) if b >= 0]
-        if not rows:
-            return 0
-        device = self.kv_caches[0].key.device
-        src = torch.tensor(rows)
-        dst = torch.tensor([block_ids[i] for i in rows], device=device)
-        for layer, cache in enumerate(self.kv_caches):
-            for name, table in _tables(cache):
-                table[dst] = tensors[f"{layer}.{name}"][src].to(device)
-        return len(rows)
-
     def _check_shapes(self, tensors: dict[str, torch.Tensor], num_blocks: int) -> None:
         for layer, cache in enumerate(self.kv_caches):
             for name, table in _tables(cache):
@@ -335,7 +396,7 @@ class PrefixStore:
 
     def _drop_broken(self, path: Path, exc: Exception) -> None:
         """A group that does not read back: deleted when it is ours, else only skipped."""
-        self._groups.pop(path, None)
+        self._remove_group(path)
         ours = self.state is StoreState.WRITING and path.parent == self.directory
         logger.warning(
             "prefix cache store: %s %s, which does not read back (%s: %s)",
@@ -374,7 +435,7 @@ class PrefixStore:
         blocks = cache_manager.pool.blocks
         todo = [
             b for b in self._pending.values()
-            if b.key not in self._on_disk and blocks[b.block_id].block_hash == b.key
+            if b.key not in self._index and blocks[b.block_id].block_hash == b.key
         ]  # fmt: skip
         self._pending = {}
         for start in range(0, len(todo), MAX_GROUP_BLOCKS):
@@ -386,7 +447,7 @@ class PrefixStore:
             path = self.directory / f"group-{self._next_seq:010d}.safetensors"
             self._next_seq += 1
             self.writer.put(GroupWrite(path, self._tensors(group), len(group), num_bytes))
-            self._add_group(_Group(path, [b.key for b in group], 0))
+            self._add_group(_Group(path, [b.key for b in group], 0, [b.content for b in group]))
         return len(todo)
 
     def _tensors(self, group: list[NewBlock]) -> dict[str, torch.Tensor]:
@@ -405,7 +466,14 @@ class PrefixStore:
 
     def _add_group(self, group: _Group) -> None:
         self._groups[group.path] = group
-        self._on_disk.update(group.keys)
+        for row, (key, content) in enumerate(zip(group.keys, group.contents, strict=True)):
+            self._index[key] = (group.path, row, content)
+
+    def _remove_group(self, path: Path) -> None:
+        group = self._groups.pop(path, None)
+        for key in group.keys if group is not None else ():
+            if self._index.get(key, (None,))[0] == path:
+                del self._index[key]
 
     # ------------------------------------------------------------------ reset, shutdown
     def clear(self) -> None:
@@ -414,7 +482,7 @@ class PrefixStore:
         whatever the writer is doing."""
         paths = list(self._groups)
         self._groups.clear()
-        self._on_disk.clear()
+        self._index.clear()
         self._pending.clear()
         if self.state is StoreState.WRITING:
             self.writer.drop_queued()
@@ -479,3 +547,14 @@ def _rows(table: torch.Tensor) -> list[bytes]:
         raise ValueError(f"hash table of shape {list(table.shape)}")
     data = table.contiguous().numpy().tobytes()
     return [data[i : i + _HASH_BYTES] for i in range(0, len(data), _HASH_BYTES)]
+
+
+def _runs(locations: Iterable[tuple[Path, int]]) -> list[tuple[Path, range]]:
+    """(file, row) locations in order -> runs of consecutive rows of one file (one read each)."""
+    runs: list[tuple[Path, range]] = []
+    for path, row in locations:
+        if runs and runs[-1][0] == path and runs[-1][1].stop == row:
+            runs[-1] = (path, range(runs[-1][1].start, row + 1))
+        else:
+            runs.append((path, range(row, row + 1)))
+    return runs

@@ -153,6 +153,14 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        return self._output(scheduled, preempted)
+
+    def tier_copies_only(self) -> SchedulerOutput:
+        """A step that computes nothing: the tier copies queued since the last step (blocks
+        the prefix store's reads evicted, copied to the host tier before they are reused)."""
+        return self._output([], [])
+
+    def _output(self, scheduled: list[ScheduledRequest], preempted: list[str]) -> SchedulerOutput:
         finished, self._finished_ids = self._finished_ids, []
         transfers = self.cache_manager.take_host_transfers()
         return SchedulerOutput(

@@ -36,7 +36,7 @@ GROUP_NAME = re.compile(r"group-(\d{10})\.safetensors")
 
 class StoreState(enum.Enum):
     WRITING = "writing"  # this server holds the directory's lock
-    READ_ONLY = "read-only"  # another process holds it: loaded at start-up, nothing written
+    READ_ONLY = "read-only"  # another process holds it: its blocks read, nothing written
     OFF = "off"  # an error turned it off: nothing touches the disk any more
 
 

@@ -32,7 +32,7 @@ from kvserve.executor.memory import HostMemory, kv_budget_bytes, measure_host_me
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv_quant import ROTATED_DTYPES
 from kvserve.models.loader import Checkpoint as Checkpoint
-from kvserve.runner.disk_tier import keys_in  # the engine names it through here
+from kvserve.runner.disk_tier import block_file, keys_in  # the engine names them through here
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -131,6 +131,11 @@ class Executor(ABC):
         """The block keys the disk tier's folder holds already, oldest first (listed, not
         read: --kv-offloading-dir)."""
         return keys_in(disk_dir)
+
+    def disk_tier_probe(self, disk_dir: Path) -> Callable[[bytes], bool]:
+        """Whether the disk tier's folder holds a key's block file now (rank 0's: a file
+        another server on the folder wrote since this one listed it)."""
+        return lambda key: block_file(disk_dir, key).is_file()
 
     def measure_host_memory(self) -> HostMemory:
         """This machine's RAM (the host tier's; after the weights are loaded)."""

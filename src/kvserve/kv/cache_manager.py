@@ -56,7 +56,7 @@ free-but-cached.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -179,6 +179,7 @@ class KVCacheManager:
         groups: Sequence[KVCacheGroup] = (),
         num_disk_blocks: int = 0,
         disk_keys: Sequence[bytes] = (),
+        disk_probe: Callable[[bytes], bool] | None = None,
         event_index: CacheIndex | None = None,
         eviction: str = "arc",
         max_pinned_blocks: int = 0,
@@ -194,7 +195,8 @@ class KVCacheManager:
         new one, `event_index` of this manager), which a subscriber's snapshot reads;
         `eviction` the policy of both tiers (kv/eviction.py); `max_pinned_blocks` the cap of
         pinned blocks (kv/pins.py); `num_disk_blocks` the disk tier's capacity below the
-        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds;
+        host tier (--kv-offloading-dir; 0: none), `disk_keys` the keys its folder holds
+        and `disk_probe` whether it holds one now;
         `store_threshold` the times a block must be computed or hit before it is stored in
         the tier below (kv/admission.py; 1: every evicted block)."""
         self.block_size = block_size
@@ -212,7 +214,10 @@ class KVCacheManager:
         self._misses = MissClassifier(num_blocks, report_cross_salt_misses)
         self._log = CacheLog(block_size, enable_events, track_new_blocks, event_index)
         self.event_index = self._log.index
-        disk = DiskTier(num_disk_blocks, disk_keys) if num_disk_blocks and num_host_blocks else None
+        disk = (
+            DiskTier(num_disk_blocks, disk_keys, disk_probe)
+            if num_disk_blocks and num_host_blocks else None
+        )  # fmt: skip
         self.admission = ReuseAdmission(
             store_threshold, min(MAX_COUNTED_KEYS, 4 * (num_blocks + num_host_blocks) + 1024)
         )
@@ -390,7 +395,7 @@ class KVCacheManager:
         run = []
         num_slots = host.num_unpinned_slots
         for key in keys:
-            if not host.holds(key) or self.pool.lookup(key) is not None:
+            if self.pool.lookup(key) is not None or not host.finds(key):
                 break
             if not host.is_pinned(key) and not host.is_reading(key):
                 if num_slots == 0:
@@ -775,6 +780,65 @@ class KVCacheManager:
             pool.free([block_id])
             self._misses.record_cached([content], [key])
             block_ids.append(block_id)
+        return block_ids
+
+    def stored_prefix_keys(
+        self, request: HashedRequest, stored: Container[bytes]
+    ) -> list[tuple[int, bytes]]:
+        """(block index, key) of each block of `request`'s prefix that no tier holds but
+        `stored` (the prefix store's index) does, in order: what reading them back would add
+        to its cached prefix.  The walk stops at the first block of the first group that
+        neither holds; a later group's block missing too is only not read."""
+        if not self.enable_caching:
+            return []
+        hashes = self._hashes(request)
+        keys = hashes.keys[: self._max_cached_blocks(len(request.all_token_ids))]
+        host, found = self.host, []
+        for index, key in enumerate(keys):
+            for group in range(self.num_groups):
+                block_key = group_key(key, group)
+                if self.pool.lookup(block_key) is not None or (
+                    host is not None and host.holds(block_key)
+                ):
+                    continue
+                if block_key in stored:
+                    found.append((index, block_key))
+                elif group == 0:
+                    return found
+        return found
+
+    def cache_stored_blocks(
+        self, request: HashedRequest, found: Sequence[tuple[int, bytes]], contents: Sequence[int]
+    ) -> list[int]:
+        """Give blocks read back from the store (`found`: stored_prefix_keys's, with their
+        content hashes) a device block each, cached under its key and free, so that
+        `request`'s lookup finds them: the least valuable free blocks are evicted for them,
+        never one of `request`'s own cached blocks.  Returns their block ids (fewer when the
+        free blocks run out: the first ones get blocks); the caller copies their K/V in
+        before the next step, after the tier copies that the evictions queued."""
+        if not found:
+            return []
+        hashes = self._hashes(request)
+        own = {group_key(k, g) for k in hashes.keys for g in range(self.num_groups)}
+        protected = [b for k in own if (b := self.pool.lookup(k)) is not None]
+        held = [b for b in protected if self.pool.blocks[b].ref_cnt == 0]
+        self.pool.touch(held)  # out of the free queue while the others are allocated
+        try:
+            block_ids = self.pool.allocate(min(len(found), self.pool.num_free_blocks))
+        finally:
+            self.pool.free(reversed(held))
+        for (_, key), block_id in zip(found, block_ids, strict=False):
+            self.pool.cache(block_id, key)
+        self.pool.free(reversed(block_ids))
+        loaded = found[: len(block_ids)]
+        self._misses.record_cached(contents[: len(block_ids)], [key for _, key in loaded])
+        if self._log.active:  # group 0's blocks, as if computed now (kv events)
+            pairs = zip(loaded, block_ids, strict=True)
+            table = {i: b for (i, k), b in pairs if k == hashes.keys[i]}
+            if table:
+                ids = [table.get(i, -1) for i in range(max(table) + 1)]
+                self._log.stored(sorted(table), hashes.keys, hashes.contents,
+                                 request.all_token_ids, ids, hashes.num_unsalted)  # fmt: skip
         return block_ids
 
     def note_isolated(self, contents: Sequence[int], keys: Sequence[bytes]) -> None:

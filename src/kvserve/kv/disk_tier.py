@@ -19,7 +19,7 @@ first in that order, so a restarted server finds the blocks an earlier one wrote
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -29,15 +29,23 @@ class DiskTierStats:
     num_read_blocks: int = 0  # disk -> host (disk-tier hits)
     num_deleted_blocks: int = 0  # files evicted (LRU) to stay within the capacity
     num_lost_blocks: int = 0  # files gone or corrupt when read (another server's eviction)
+    num_found_blocks: int = 0  # files another server wrote, found by a lookup (`find`)
 
 
 class DiskTier:
-    def __init__(self, num_blocks: int, present: Iterable[bytes] = ()) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        present: Iterable[bytes] = (),
+        probe: Callable[[bytes], bool] | None = None,
+    ) -> None:
         """`num_blocks`: the capacity; `present`: keys whose files exist already, oldest
-        first (beyond the capacity, the oldest are deleted at the first store)."""
+        first (beyond the capacity, the oldest are deleted at the first store); `probe(key)`:
+        whether the folder has the key's file now (one written by another server since)."""
         if num_blocks <= 0:
             raise ValueError(f"a disk tier needs > 0 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
+        self._probe = probe
         self._keys: OrderedDict[bytes, None] = OrderedDict.fromkeys(present)
         self.stats = DiskTierStats()
 
@@ -74,6 +82,18 @@ class DiskTier:
         self.stats.num_written_blocks += 1
         self.stats.num_deleted_blocks += len(deleted)
         return True, deleted
+
+    def find(self, key: bytes) -> bool:
+        """A lookup's question: whether the key has a file, known here or, through the
+        probe, one that another server on the folder wrote since this one listed it (then
+        known from now on, most recently used)."""
+        if key in self._keys:
+            return True
+        if self._probe is None or not self._probe(key):
+            return False
+        self._keys[key] = None
+        self.stats.num_found_blocks += 1
+        return True
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark these keys used now, the first one last (most recent): the files that a

@@ -204,6 +204,11 @@ class HostTier:
         return (key in self._slot_of or key in self._reading
                 or (self.disk is not None and key in self.disk))  # fmt: skip
 
+    def finds(self, key: bytes) -> bool:
+        """`holds`, for a lookup: a file that another server wrote to the disk tier's folder
+        counts too (DiskTier.find)."""
+        return self.holds(key) or (self.disk is not None and self.disk.find(key))
+
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pinned
 
