@@ -130,6 +130,10 @@ class TierStats:
     capacity_blocks: int
     num_promoted_blocks: int
     num_demoted_blocks: int
+    # the disk tier's shared folder: files gone or corrupt when read (recomputed), and files
+    # another server wrote that a lookup found
+    num_lost_blocks: int = 0
+    num_found_blocks: int = 0
 
 
 @dataclass

@@ -49,7 +49,7 @@ def test_status_line_splits_the_interval_misses_by_reason():
 
 def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
     tiers = {"device": TierStats(5, 10, 20, 0, 0), "host": TierStats(12, 16, 64, 3, 16),
-             "disk": TierStats(4, 30, 100, 1, 20)}  # fmt: skip
+             "disk": TierStats(4, 30, 100, 1, 20, 2, 7)}  # fmt: skip
     host = dict(prefix_cache_host_hits=12, num_host_blocks=64, host_kv_cache_usage=0.25,
                 num_offloaded_blocks=16, num_loaded_blocks=3, tiers=tiers)  # fmt: skip
     block_bytes = {"device": 1000, "host": 300, "disk": 300}
@@ -67,6 +67,8 @@ def test_metrics_split_the_hits_by_tier_and_show_the_host_tier():
     assert f"{value('kv_tier_capacity_blocks', 'disk')} 100.0" in text
     assert f"{value('kv_tier_promotions_total', 'host')} 3.0" in text
     assert f"{value('kv_tier_demotions_total', 'disk')} 20.0" in text
+    assert f"{value('kv_tier_lost_blocks_total', 'disk')} 2.0" in text
+    assert f"{value('kv_tier_found_blocks_total', 'disk')} 7.0" in text
     assert 'kvserve:host_kv_cache_usage_perc{model_name="m"} 0.25' in text
     assert 'kvserve:kv_offloaded_blocks_total{model_name="m"} 16.0' in text
     assert 'kvserve:kv_loaded_blocks_total{model_name="m"} 3.0' in text

@@ -404,6 +404,9 @@ def _tier_stats(cm: KVCacheManager) -> dict[str, TierStats]:
                               host.stats.num_offloaded_blocks)  # fmt: skip
     disk = host.disk
     if disk is not None:
-        read, written = disk.stats.num_read_blocks, disk.stats.num_written_blocks
-        tiers["disk"] = TierStats(hits.disk_hits, len(disk), disk.num_blocks, read, written)
+        d = disk.stats
+        tiers["disk"] = TierStats(
+            hits.disk_hits, len(disk), disk.num_blocks, d.num_read_blocks, d.num_written_blocks,
+            d.num_lost_blocks, d.num_found_blocks,
+        )  # fmt: skip
     return tiers

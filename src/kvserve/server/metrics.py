@@ -138,6 +138,10 @@ class _EngineStatsCollector(Collector):
              lambda t: t.num_promoted_blocks),
             (counter, "kv_tier_demotions", "Blocks copied into a tier from the one above.",
              lambda t: t.num_demoted_blocks),
+            (counter, "kv_tier_lost_blocks", "Blocks a tier listed that did not read back (a "
+             "file another server deleted, or corrupt): recomputed.", lambda t: t.num_lost_blocks),
+            (counter, "kv_tier_found_blocks", "Blocks another server wrote to the disk tier's "
+             "folder that a lookup found.", lambda t: t.num_found_blocks),
         ]  # fmt: skip
         for cls, name, doc, value in families:
             family = cls(f"kvserve:{name}", doc, labels=[*self._labels, "tier"])
