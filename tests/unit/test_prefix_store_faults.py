@@ -256,3 +256,27 @@ def test_a_directory_that_cannot_be_used_leaves_the_server_without_the_store(tmp
     assert f"prefix cache store {root} is off: opening the directory failed" in caplog.text
     assert root.read_text() == "a file where the directory should be"
     assert_cached(manager, PROMPTS[0])
+
+
+def test_a_group_not_written_yet_is_a_miss_then_read_once_written(tmp_path, monkeypatch):
+    """The writer is slow: a request needing a block saved but not on disk yet computes it,
+    and the group stays indexed; once written, it is read back."""
+    release = threading.Event()
+
+    def slow_save(*args: object, **kwargs: object) -> None:
+        release.wait(10)
+        save_file(*args, **kwargs)
+
+    monkeypatch.setattr(store_writer, "save_file", slow_save)
+    caches, manager = engine(4)
+    store = PrefixStore(tmp_path, PRINT, 2**30, caches)
+    cache_prompt(caches, manager, "a", PROMPTS[0])
+    assert store.save(manager) == 2
+    cache_prompt(caches, manager, "b", PROMPTS[1] + PROMPTS[2][:4])  # evicts a's blocks
+    request = make_request(manager, "c", PROMPTS[0])
+    assert store.fetch([request], manager, lambda: None) == 0  # still queued: a miss
+    release.set()
+    store.writer.join()
+    assert store.fetch([request], manager, lambda: None) == 2
+    assert manager.find_cached_prefix(request).num_tokens == 8
+    store.close(manager)

@@ -291,7 +291,10 @@ class PrefixStore:
 
     def _forget(self, path: Path, exc: Exception) -> None:
         """A group that did not read back: its blocks leave the index (a missing file is
-        only forgotten; a broken one is dropped as at start-up)."""
+        only forgotten; a broken one is dropped as at start-up), unless it is still on its
+        way to the disk (this server's writer has not written it yet: a miss this time)."""
+        if self.writer.is_queued(path):
+            return
         if isinstance(exc, FileNotFoundError):
             self._remove_group(path)
         else:

@@ -86,6 +86,7 @@ class StoreWriter:
         self._num_queued_blocks = 0
         self._num_written = 0
         self._num_not_written = 0
+        self._unwritten: set[Path] = set()  # groups queued, their write not ended yet
         self._queue: queue.Queue[GroupWrite | GroupDeletion | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvserve-store", daemon=True)
 
@@ -130,7 +131,15 @@ class StoreWriter:
 
     def put(self, item: GroupWrite | GroupDeletion) -> None:
         """Queue a write (its room reserved first) or a deletion."""
+        if isinstance(item, GroupWrite):
+            with self._room:
+                self._unwritten.add(item.path)
         self._queue.put(item)
+
+    def is_queued(self, path: Path) -> bool:
+        """Whether the group at `path` is queued or being written (not on disk yet)."""
+        with self._room:
+            return path in self._unwritten
 
     def drop_queued(self) -> None:
         """Forget the writes not started yet (a reset: their blocks are gone)."""
@@ -210,7 +219,7 @@ class StoreWriter:
 
     def _enforce_budget(self) -> None:
         """Delete the oldest groups (any fingerprint) while the directory exceeds the budget
-        (the engine's `_on_disk` may keep a deleted group's keys until the next start)."""
+        (the engine's index keeps a deleted group's keys until a read finds it gone)."""
         files = []
         for path in self.root.glob("*/group-*.safetensors"):
             with contextlib.suppress(FileNotFoundError):
@@ -227,6 +236,7 @@ class StoreWriter:
     def _release(self, item: GroupWrite | GroupDeletion) -> None:
         if isinstance(item, GroupWrite):
             with self._room:
+                self._unwritten.discard(item.path)
                 self._num_queued_bytes -= item.num_bytes
                 self._num_queued_blocks -= item.num_blocks
                 self._room.notify_all()
