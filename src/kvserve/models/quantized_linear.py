@@ -13,19 +13,24 @@ equals x @ dequantize_q8(...).T up to the order of the float32 sums
 
 from __future__ import annotations
 
+import logging
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.errors import ParameterError
 from kvserve.native import ops
+
+logger = logging.getLogger("kvserve")
 
 QBLOCK = 32  # input features per scale
 QMAX = 127  # codes in [-127, 127]: symmetric, so zero is exact
 # The most rows the kernel takes under --weight-dtype auto: the float weight's product
 # (MKL) is faster above (docs/decisions/int8-weights.md).
-AUTO_KERNEL_ROWS = 16
+AUTO_KERNEL_ROWS = 8
 ALL_ROWS = sys.maxsize
 
 
@@ -154,3 +159,37 @@ def quantize_linear_layers(model: nn.Module, kernel_rows: int, keep_float: bool)
                 setattr(parent, name, Q8Linear(child.weight, child.bias, kernel_rows, keep_float))
                 replaced += 1
     return replaced
+
+
+@dataclass(frozen=True)
+class Q8Plan:
+    """Which steps a model's projections and LM head take the int8 kernel for: up to
+    `kernel_rows` rows; above, the float weight where `keep_float`, else the codes
+    dequantized for the call."""
+
+    kernel_rows: int
+    keep_float: bool
+
+
+def q8_plan(
+    weight_dtype: str, device: torch.device, dtype: torch.dtype, stored_weight_type: str
+) -> Q8Plan | None:
+    """--weight-dtype as this model and machine resolve it; None: float weights.  auto takes
+    int8 copies only where the checkpoint's own weights are quantized (a GGUF's Q4_1, Q8_0...:
+    an 8-bit rounding of those moves the model far less than the file's own 4-bit one did),
+    on a CPU computing in float32, with the kernel built."""
+    if weight_dtype == "float":
+        return None
+    if weight_dtype == "int8":
+        if device.type != "cpu":
+            raise ParameterError(
+                "--weight-dtype", f"int8 weights run on a CPU only, not {device}; use "
+                "--weight-dtype float (or auto)",
+            )  # fmt: skip
+        if not ops.available():
+            logger.warning("--weight-dtype int8 without the native library: every step "
+                           "dequantizes its weights, slowly")  # fmt: skip
+        return Q8Plan(ALL_ROWS, keep_float=False)
+    if device.type == "cpu" and dtype == torch.float32 and stored_weight_type and ops.available():
+        return Q8Plan(AUTO_KERNEL_ROWS, keep_float=True)
+    return None
