@@ -37,8 +37,8 @@ from kvserve.executor.kv_shards import gather_heads
 from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
-from kvserve.models.quantized_linear import q8_plan
 from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, shard_plan
+from kvserve.models.quantized_linear import q8_plan
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes

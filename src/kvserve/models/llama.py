@@ -39,7 +39,6 @@ from kvserve.models.fused_mlp import (
     silu_and_mul,
 )
 from kvserve.models.native_layers import NativeLayers
-from kvserve.models.quantized_linear import Q8Linear, Q8Plan, quantize_linear_layers
 from kvserve.models.packed_linear import (
     PackedLinear,
     can_pack,
@@ -47,6 +46,7 @@ from kvserve.models.packed_linear import (
     pack_linear_layers,
     padded_rows,
 )
+from kvserve.models.quantized_linear import Q8Linear, Q8Plan, quantize_linear_layers
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -362,9 +362,7 @@ class LlamaForCausalLM(nn.Module):
         already quantized (quantize_weights) stay so."""
         if self.logits_head is None:
             head = (
-                self.embed_tokens.weight
-                if self.config.tie_word_embeddings
-                else self.lm_head.weight
+                self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
             )
             self.logits_head = PackedLinear(head, None, logits_kernel_max_rows())
             if not self.config.tie_word_embeddings:
