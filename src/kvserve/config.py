@@ -553,12 +553,13 @@ class LoadConfig:
         default_factory=lambda: os.environ.get("KVSERVE_WEIGHT_DTYPE", "auto"),
         metadata=_help(
             "How the projections and the LM head hold their weights: float (the checkpoint's "
-            "values in --dtype), int8 (8-bit codes with a float32 scale per 32 inputs, read "
-            "by a CPU kernel that dequantizes in registers, for every step: 3.6x fewer bytes "
-            "than float32, at an 8-bit rounding of each weight), or auto (on a CPU computing "
-            "in float32, a GGUF checkpoint whose weights are stored quantized gets int8 "
-            "copies for steps of up to 8 rows, where reading the weights bounds a step, and "
-            "keeps the float weights for larger ones; float elsewhere). CPU only; not with "
+            "values in --dtype), int8 (8-bit codes with a float32 scale per 32 inputs, 3.6x "
+            "fewer bytes than float32, at an 8-bit rounding of each weight: a CPU kernel "
+            "dequantizes them in registers for steps of up to 8 rows, where reading the "
+            "weights bounds a step, and larger steps multiply them dequantized), or auto "
+            "(int8 copies for steps of up to 8 rows, the float weights kept for larger ones, "
+            "where the checkpoint stores its weights quantized, a GGUF's Q4_1 or Q8_0, and a "
+            "CPU computes in float32; float elsewhere). CPU only; not with "
             "--tensor-parallel-size > 1. Default: auto, or KVSERVE_WEIGHT_DTYPE when set.",
             choices=WEIGHT_DTYPES,
         ),

@@ -10,7 +10,7 @@ from kvserve.config import LoadConfig
 from kvserve.errors import ParameterError
 from kvserve.models.quantized_linear import (
     ALL_ROWS,
-    AUTO_KERNEL_ROWS,
+    KERNEL_MAX_ROWS,
     Q8Linear,
     Q8Plan,
     dequantize_q8,
@@ -96,9 +96,18 @@ def test_weight_dtype_flag_is_validated():
 
 @needs_kernel
 def test_auto_quantizes_only_a_quantized_checkpoint_in_float32_on_a_cpu():
-    assert q8_plan("auto", CPU, torch.float32, "Q4_1") == Q8Plan(AUTO_KERNEL_ROWS, True)
+    assert q8_plan("auto", CPU, torch.float32, "Q4_1") == Q8Plan(KERNEL_MAX_ROWS, True)
     assert q8_plan("auto", CPU, torch.float32, "") is None  # stored as floats
     assert q8_plan("auto", CPU, torch.bfloat16, "Q4_1") is None
     assert q8_plan("auto", torch.device("cuda"), torch.float32, "Q4_1") is None
     assert q8_plan("float", CPU, torch.float32, "Q4_1") is None
-    assert q8_plan("int8", CPU, torch.bfloat16, "") == Q8Plan(ALL_ROWS, False)
+    assert q8_plan("int8", CPU, torch.bfloat16, "") == Q8Plan(KERNEL_MAX_ROWS, False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(5, 64), (33, 70)])
+def test_c_dequantize_equals_the_reference(n, k):
+    codes, scales = quantize_q8(_weight(n, k))
+    out = torch.empty(n, k)
+    ops.kernels().dequantize_q8(codes, scales, out)
+    assert torch.equal(out, dequantize_q8(codes, scales, k))

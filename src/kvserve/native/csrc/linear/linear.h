@@ -34,4 +34,6 @@ int linear_packed_block_cols(void);
 int linear_q8_f32(const float *x, int64_t x_stride, const int8_t *codes, const float *scales,
                   const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
                   int64_t k, int num_threads);
+int dequantize_q8_f32(const int8_t *codes, const float *scales, float *out, int64_t n,
+                      int64_t k, int num_threads);
 #endif

@@ -139,3 +139,22 @@ int linear_q8_f32(const float *x, int64_t x_stride, const int8_t *codes, const f
     }
     return 0;
 }
+
+/* out [N, K] float32 = the weight that codes and scales stand for (the reference's products):
+ * a prefill step's rows multiply it with torch's GEMM, faster there than the kernel above. */
+int dequantize_q8_f32(const int8_t *codes, const float *scales, float *out, int64_t n,
+                      int64_t k, int num_threads) {
+    if (n < 1 || k < 1 || num_threads < 1) return 1;
+    const int64_t padded = (k + QBLOCK - 1) / QBLOCK * QBLOCK, blocks = padded / QBLOCK;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t *c = codes + r * padded;
+        float *o = out + r * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float s = scales[r * blocks + b];
+            const int64_t end = (b + 1) * QBLOCK < k ? (b + 1) * QBLOCK : k;
+            for (int64_t i = b * QBLOCK; i < end; i++) o[i] = dequant(c[i], s);
+        }
+    }
+    return 0;
+}
