@@ -151,12 +151,20 @@ def run_server(
 
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown rows: each metric for both servers and kvserve's ratio to llama-server."""
-    kv, llama = results["kvserve"], results["llama-server"]
-    lines = ["| metric | kvserve | llama-server | kvserve / llama-server |", "|---|---:|---:|---:|"]
+    """Markdown rows: each metric for every server, and the first kvserve run's ratio to
+    llama-server's where it ran."""
+    names = list(results)
+    llama = results.get("llama-server")
+    first = next(name for name in names if name.startswith("kvserve"))
+    ratio_head = f" {first} / llama-server |" if llama else ""
+    lines = ["| metric | " + " | ".join(names) + " |" + ratio_head,
+             "|---|" + "---:|" * (len(names) + bool(llama))]  # fmt: skip
     for key, label in KEYS:
-        ratio = kv[key] / llama[key] if llama[key] else float("nan")
-        lines.append(f"| {label} | {kv[key]:.2f} | {llama[key]:.2f} | {ratio:.2f}x |")
+        cells = " | ".join(f"{results[name][key]:.2f}" for name in names)
+        ratio = ""
+        if llama:
+            ratio = f" {results[first][key] / llama[key]:.2f}x |" if llama[key] else " nan |"
+        lines.append(f"| {label} | {cells} |{ratio}")
     return lines
 
 
@@ -167,6 +175,16 @@ def parse_args() -> argparse.Namespace:
         "--kvserve-args",
         default="--kv-cache-memory 256MiB --max-model-len 4096",
         help="Flags added to `kvserve serve` (default: a small KV cache, a 4,096-token context).",
+    )
+    parser.add_argument(
+        "--also-kvserve-args",
+        action="append",
+        default=[],
+        help="Another kvserve run in the same run, with these flags (repeatable): e.g. "
+        "'--kv-cache-memory 256MiB --max-model-len 4096 --weight-dtype int8'.",
+    )
+    parser.add_argument(
+        "--no-llama-server", action="store_true", help="Run kvserve alone (its runs only)."
     )
     parser.add_argument("--threads", type=int, default=2, help="llama-server's -t/-tb.")
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -186,7 +204,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    binary = find_llama_server(args.llama_server)
+    binary = None if args.no_llama_server else find_llama_server(args.llama_server)
     gguf = embedded_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,17 +216,14 @@ def main() -> int:
         seed=args.seed,
     )
     samples = sample_requests(dataset, tokenizer)
-    runs = {
-        "kvserve": lambda port: run_server(
-            "kvserve",
-            kvserve_command(port, args.kvserve_args),
-            port,
-            EMBEDDED_NAME,
-            samples,
-            tokenizer,
-            out,
-        ),
-        "llama-server": lambda port: run_server(
+    runs = {}
+    for i, flags in enumerate([args.kvserve_args, *args.also_kvserve_args]):
+        name = "kvserve" if i == 0 else f"kvserve ({i + 1})"
+        runs[name] = lambda port, name=name, flags=flags: run_server(
+            name, kvserve_command(port, flags), port, EMBEDDED_NAME, samples, tokenizer, out
+        )
+    if binary is not None:
+        runs["llama-server"] = lambda port: run_server(
             "llama-server",
             llama_command(binary, gguf, port, args.threads),
             port,
@@ -216,8 +231,7 @@ def main() -> int:
             samples,
             tokenizer,
             out,
-        ),
-    }
+        )
     order = list(runs) if args.order == "kvserve-first" else list(reversed(runs))
     print(
         f"model {gguf}; {args.num_prompts} requests one at a time, {args.input_len} in / "

@@ -14,6 +14,10 @@ import torch
 # The engine compiles its layers with torch.compile by default; the suite runs them eagerly
 # (and tests/model/test_fast_paths.py compares the two), which saves seconds per engine start.
 os.environ.setdefault("KVSERVE_ENFORCE_EAGER", "1")
+# --weight-dtype auto gives the embedded (Q4_1) model int8 weights for decode steps on a
+# float32 CPU; the suite's parity tests compare its float weights with transformers' and
+# llama.cpp's, so it runs float weights unless a test asks (tests/model/test_int8_weights.py).
+os.environ.setdefault("KVSERVE_WEIGHT_DTYPE", "float")
 
 TINY = dict(
     hidden_size=64,

@@ -75,6 +75,7 @@ def test_f32_gguf_round_trips_exactly(tmp_path, tiny_model_dir):
     from_gguf = load_checkpoint(str(path))
     from_hf = load_checkpoint(str(directory))
     assert from_gguf.config.num_kv_heads == 2 and not from_gguf.config.tie_word_embeddings
+    assert from_gguf.config.stored_weight_type == ""  # --weight-dtype auto keeps it float
     assert from_gguf.weights.keys() == from_hf.weights.keys()
     for name, tensor in from_hf.weights.items():
         assert torch.equal(from_gguf.weights[name], tensor), name

@@ -7,6 +7,7 @@ that library (`fake_compiler`) so they test the cache's decisions, not gcc."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import stat
@@ -14,8 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvserve.native import build
+from kvserve.native import build, ops
 
 COMPILER = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler here")
@@ -214,3 +216,17 @@ def test_the_kernels_build_for_cpus_without_avx512(tmp_path, target):
             ["nm", "-D", str(output)], capture_output=True, text=True, check=True
         ).stdout
     )
+    if target == "x86-64-v2":  # no AVX2: linear_q8.c's portable loops, against the reference
+        _check_portable_q8(ops.Kernels(ctypes.CDLL(str(output))))
+
+
+def _check_portable_q8(kernels: ops.Kernels) -> None:
+    from kvserve.models.quantized_linear import dequantize_q8, quantize_q8
+
+    gen = torch.Generator().manual_seed(0)
+    for n, k, m in ((33, 70, 1), (40, 64, 5)):
+        codes, scales = quantize_q8(torch.randn(n, k, generator=gen))
+        x, out = torch.randn(m, k, generator=gen), torch.empty(m, n)
+        assert kernels.linear_q8(x, codes, scales, None, out)
+        want = x @ dequantize_q8(codes, scales, k).T
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-4)

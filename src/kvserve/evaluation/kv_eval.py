@@ -20,6 +20,7 @@ from kvserve.evaluation.paged import allocate_cache, check_kv_dtypes, make_spec
 from kvserve.evaluation.settings import EvalSettings
 from kvserve.executor.kv_dtype_check import canary_token_ids
 from kvserve.models.loader import load_checkpoint
+from kvserve.models.quantized_linear import q8_plan
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
 from kvserve.runner.key_offsets import calibrate_key_offsets
@@ -56,14 +57,17 @@ class KVDtypeResult:
         return asdict(self)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """The engine's model loading, without the scheduler or a sized cache."""
+def load_model(config: EngineConfig, weight_dtype: str | None = None) -> LoadedModel:
+    """The engine's model loading, without the scheduler or a sized cache; its weights as
+    `weight_dtype` (else --weight-dtype) says."""
     platform.set_cpu_threads()
     checkpoint = load_checkpoint(config.load.model)
     device = platform.resolve_device(config.load.device)
     dtype = platform.resolve_dtype(config.load.dtype, device, checkpoint.config.torch_dtype)
     model_cls = get_model_class(checkpoint.config.architecture)
-    model = model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device)
+    q8 = q8_plan(weight_dtype or config.load.weight_dtype, device, dtype,
+                 checkpoint.config.stored_weight_type)  # fmt: skip
+    model = model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device, q8)
     tokenizer = load_tokenizer(checkpoint.path)
     # A 4-bit cache's key offsets, as the engine measures them (used by rotated caches only).
     calibrate_key_offsets(model, canary_token_ids(tokenizer), device)

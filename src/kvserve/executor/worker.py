@@ -38,6 +38,7 @@ from kvserve.executor.layer_kernels import choose_layer_kernels
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.loader import Checkpoint, load_checkpoint
 from kvserve.models.parallel import RankShard, TPGroup, build_sharded_model, shard_plan
+from kvserve.models.quantized_linear import q8_plan
 from kvserve.models.registry import get_model_class
 from kvserve.native import platform
 from kvserve.runner.cuda_graphs import GraphPlan, decode_graph_plan, profile_graph_pool_bytes
@@ -68,13 +69,17 @@ def rank_device(device: str, rank: int, world_size: int) -> torch.device:
 
 def build_model(
     checkpoint: Checkpoint, shard: RankShard, group: TPGroup, dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, weight_dtype: str = "float",
 ) -> torch.nn.Module:  # fmt: skip
-    """This rank's model: the whole model for a shard of one, else its slices joined to the
-    group (models/parallel.py)."""
+    """This rank's model: the whole model for a shard of one (its weights as --weight-dtype
+    says), else its slices joined to the group (models/parallel.py), in float weights."""
     model_cls = get_model_class(checkpoint.config.architecture)
     if shard.world_size == 1:
-        return model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device)
+        q8 = q8_plan(weight_dtype, device, dtype, checkpoint.config.stored_weight_type)
+        if q8 is not None:
+            logger.info("int8 weights for steps of up to %s rows%s", q8.kernel_rows,
+                        " (float weights kept above)" if q8.keep_float else "")  # fmt: skip
+        return model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device, q8)
     return build_sharded_model(
         model_cls, checkpoint.config, checkpoint.weights, shard, group, dtype, device
     )
@@ -96,7 +101,7 @@ class Worker:
         self.device_group = TPGroup(None, rank, self.world_size)  # joined in `join`
         self.cpu_group = self.device_group
         self.model = build_model(checkpoint, self.shard, self.device_group, self.dtype,
-                                 self.device)  # fmt: skip
+                                 self.device, load.weight_dtype)  # fmt: skip
         del checkpoint.weights
         self.backend = select_backend(load.attention_backend, self.device)
         self.graph_plan: GraphPlan | None = None

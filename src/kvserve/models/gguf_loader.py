@@ -19,7 +19,9 @@ attention scale `gemma3.attention.scale`, else head_dim ** -0.5 (hidden / heads 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +209,17 @@ def _gemma_norm(config: ModelConfig, gguf_name: str, tensor: torch.Tensor) -> to
     return tensor
 
 
+def stored_weight_type(tensors: Sequence) -> str:
+    """The quantized type most of the layers' 2-D weights are stored in, "" where they are
+    stored as floats (F32, F16, BF16)."""
+    floats = {GGMLQuantizationType[name] for name in ("F32", "F16", "BF16")}
+    kinds = Counter(
+        t.tensor_type for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+    quantized = [(count, kind.name) for kind, count in kinds.items() if kind not in floats]
+    return max(quantized)[1] if quantized else ""
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The file's config and float32 weights, converted once per machine (converted_cache)."""
     return load_converted(path, convert_gguf)
@@ -219,6 +232,7 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         config = read_gguf_config(GGUFFields(reader, str(path)))
     except FormatError as exc:
         raise ModelLoadError(str(exc)) from None
+    config = replace(config, stored_weight_type=stored_weight_type(reader.tensors))
     tensors = {t.name: _dequantize(t) for t in reader.tensors}
     weights = fuse_layer_weights(config, _layers(config, tensors))
     weights["embed_tokens.weight"] = to_tensor(tensors["token_embd.weight"])

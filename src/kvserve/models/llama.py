@@ -46,6 +46,7 @@ from kvserve.models.packed_linear import (
     pack_linear_layers,
     padded_rows,
 )
+from kvserve.models.quantized_linear import Q8Linear, Q8Plan, quantize_linear_layers
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -290,7 +291,9 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = EAGER
         # The same work in C for every step (native_layers.py); None: not for this model.
         self.native_layers: NativeLayers | None = None
-        self.logits_head: PackedLinear | None = None
+        # The LM head's own weights where they differ from the embedding's table or the
+        # lm_head Linear: oneDNN-packed (pack_weights) or 8-bit (quantize_weights).
+        self.logits_head: PackedLinear | Q8Linear | None = None
         # Run every layer on the row count the packed projections are asked for (see forward).
         self.pads_rows = False
 
@@ -320,14 +323,18 @@ class LlamaForCausalLM(nn.Module):
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
+        q8: Q8Plan | None = None,
     ) -> LlamaForCausalLM:
-        """Build on the meta device (no random init), then take the given weights."""
+        """Build on the meta device (no random init), then take the given weights; with `q8`,
+        the projections and the LM head as 8-bit blocks (quantized_linear.py)."""
         with torch.device("meta"):
             model = cls(config)
         state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in weights.items()}
         model.load_state_dict(state, strict=True, assign=True)
         model.set_rope(device)
         model.eval()
+        if q8 is not None:
+            model.quantize_weights(q8)
         if can_pack(device, dtype):
             model.pack_weights()
         model.use_fused_silu(device, dtype)
@@ -340,13 +347,26 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.fused_silu = enabled and layer.is_plain
 
-    def pack_weights(self) -> None:
-        """Every projection, and the LM head, through oneDNN-prepacked weights (see
-        packed_linear.py); the tied embedding keeps its plain table for the lookups."""
+    def quantize_weights(self, plan: Q8Plan) -> None:
+        """Every projection, and the LM head, as 8-bit blocks (quantized_linear.py); the tied
+        embedding keeps its float table for the lookups."""
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        self.logits_head = PackedLinear(head, None, logits_kernel_max_rows())
+        self.logits_head = Q8Linear(head, None, plan.kernel_rows, plan.keep_float)
         if not self.config.tie_word_embeddings:
             del self.lm_head
+        quantize_linear_layers(self.layers, plan.kernel_rows, plan.keep_float)
+
+    def pack_weights(self) -> None:
+        """Every projection, and the LM head, through oneDNN-prepacked weights (see
+        packed_linear.py); the tied embedding keeps its plain table for the lookups.  Weights
+        already quantized (quantize_weights) stay so."""
+        if self.logits_head is None:
+            head = (
+                self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            )
+            self.logits_head = PackedLinear(head, None, logits_kernel_max_rows())
+            if not self.config.tie_word_embeddings:
+                del self.lm_head
         pack_linear_layers(self.layers)
         self.pads_rows = True
 

@@ -48,6 +48,7 @@ SOURCES = tuple(
         "attention/kv_quantize.c",
         "linear/linear_amx.c",
         "linear/linear_dot.c",
+        "linear/linear_q8.c",
         "layer/decode_layer.c",
         "layer/silu_mul.c",
         "sampling/argmax_rows.c",

@@ -61,6 +61,8 @@ DECLARATIONS: dict[str, tuple[type, list[type]]] = {
     "silu_gate_up_bf16_packed": (_I32, [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32]),
     "linear_packed_block_cols": (_I32, []),
     "linear_amx_set_stealing": (_I32, [_I32]),
+    "linear_q8_f32": (_I32, [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32]),
+    "dequantize_q8_f32": (_I32, [_P, _P, _P, _I64, _I64, _I32]),
     # layer/ (decode_pre/between/post_attention, decode_step_layers: builds with a projection
     # kernel only, as decode_layer_available says)
     "decode_layer_available": (_I32, []),
@@ -377,6 +379,47 @@ class Kernels:
             x.data_ptr(), x.stride(0), torch.ops.mkldnn.data_ptr(packed_weight), out.data_ptr(),
             out.stride(0), m, features, k, torch.get_num_threads(),
         )  # fmt: skip
+
+    def linear_q8(
+        self,
+        x: torch.Tensor,  # [M, K] float32, rows contiguous
+        codes: torch.Tensor,  # [N, Kp] int8, contiguous; Kp = K rounded up to 32
+        scales: torch.Tensor,  # [N, Kp / 32] float32, contiguous
+        bias: torch.Tensor | None,  # [N] float32
+        out: torch.Tensor,  # [M, N] float32, rows contiguous
+    ) -> bool:
+        """csrc/linear/linear_q8.c: x W^T + b with W = codes x their block's scale, dequantized
+        in registers; False where it declines its arguments."""
+        (m, k), n = x.shape, codes.shape[0]
+        padded = -(-k // 32) * 32
+        if not (
+            x.dim() == out.dim() == 2 and x.dtype is out.dtype is _F32
+            and x.stride(1) == out.stride(1) == 1 and out.shape == (m, n)
+            and _is(codes, torch.int8, (n, padded)) and _is(scales, _F32, (n, padded // 32))
+            and (bias is None or _is(bias, _F32, (n,)))
+        ):  # fmt: skip
+            _refuse("linear_q8_f32", "float32 x [M, K] and out [M, N] with contiguous rows, "
+                    "contiguous int8 codes [N, K rounded up to 32], float32 scales [N, that / "
+                    "32] and bias [N]", x=x, codes=codes, scales=scales, bias=bias,
+                    out=out)  # fmt: skip
+        return not self.lib.linear_q8_f32(
+            x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), _ptr(bias),
+            out.data_ptr(), out.stride(0), m, n, k, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def dequantize_q8(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """out [N, K] float32 (contiguous) = codes [N, K rounded up to 32] int8 times their
+        blocks' scales [N, that / 32] float32 (csrc/linear/linear_q8.c)."""
+        (n, k), padded = out.shape, codes.shape[1]
+        if not (
+            _is(out, _F32, (n, k)) and padded == -(-k // 32) * 32
+            and _is(codes, torch.int8, (n, padded)) and _is(scales, _F32, (n, padded // 32))
+        ):  # fmt: skip
+            _refuse("dequantize_q8_f32", "contiguous int8 codes [N, K rounded up to 32], float32 "
+                    "scales [N, that / 32] and out [N, K]", codes=codes, scales=scales,
+                    out=out)  # fmt: skip
+        self.lib.dequantize_q8_f32(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k,
+                                   torch.get_num_threads())  # fmt: skip
 
     def packed_block_cols(self) -> int:
         """The packed layout's column block the projection kernels read (32 for AMX, 64 for

@@ -1,5 +1,6 @@
 /*
- * The linear kind's entry points: bf16 projections over oneDNN's packed weights, what
+ * The linear kind's entry points: bf16 projections over oneDNN's packed weights and float32
+ * ones over 8-bit block-quantized weights, what
  * native/ops.py declares and what layer/decode_layer.c calls.  Each defining file includes this
  * too, so the compiler checks that the definition and the callers agree.
  */
@@ -27,4 +28,12 @@ int silu_gate_up_bf16_packed(const uint16_t *x, int64_t x_stride, const uint16_t
 
 /* The packed layout's column block (32 or 64), or 0 where this build has neither kernel. */
 int linear_packed_block_cols(void);
+
+/* linear_q8.c: float32 x times an 8-bit block-quantized weight (every build: AVX2+FMA, or
+ * portable C). */
+int linear_q8_f32(const float *x, int64_t x_stride, const int8_t *codes, const float *scales,
+                  const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
+                  int64_t k, int num_threads);
+int dequantize_q8_f32(const int8_t *codes, const float *scales, float *out, int64_t n,
+                      int64_t k, int num_threads);
 #endif
