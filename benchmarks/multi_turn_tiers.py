@@ -89,6 +89,8 @@ def run(llm: LLM, args: argparse.Namespace) -> dict[str, float]:
                 pending.append(conv)  # back of the queue: others' turns interleave
             if pending:
                 start(pending.pop(0))
+            if args.progress and len(answers) % args.progress == 0:
+                print(f"  {len(answers)} turns done", flush=True)
     stats = engine.get_stats()
     host = engine.cache_manager.host
     disk = host.disk if host is not None else None
@@ -125,6 +127,7 @@ def main() -> None:
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--kv-cache-mib", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=1088)
+    p.add_argument("--progress", type=int, default=0, help="print every N finished turns")
     p.add_argument(
         "--configs",
         default="off,none:0.05,int8:0.05,int8:0.02:disk",
