@@ -209,9 +209,9 @@ int paged_decode_attention(const paged_decode_args *args) {
     int failed = 0, next_seq = 0;
     /* No more threads than sequences: a thread takes whole sequences, so the others would
      * find none, yet the region would wait for each of them to wake and join.  One sequence
-     * (one user at a time) runs on the calling thread alone, with no team: with two threads
-     * on a 2-core CPU, the second one's wake-up and the join cost more than the attention
-     * (~0.5 ms a call, and several ms where another process holds the other core). */
+     * (one user at a time) runs on the calling thread alone, with no team: on a 2-core CPU
+     * whose other core was busy, the second thread's wake-up and the join took 7.7 ms a call
+     * against ~0.1 ms of attention (docs/decisions/decode-one-row-team.md). */
     const int team = num_threads < num_seqs ? num_threads : num_seqs > 1 ? num_seqs : 1;
     #pragma omp parallel num_threads(team) if(team > 1)
     {
