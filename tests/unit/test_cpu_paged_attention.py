@@ -136,9 +136,12 @@ def test_every_fp8_code_decodes_exactly(kv_dtype):
     assert torch.equal(got[finite], expected.expand(4, 2, 64)[finite])
 
 
-def test_threads_split_sequences_without_changing_results():
+@pytest.mark.parametrize("num_seqs", [1, 2, 12])
+def test_threads_split_sequences_without_changing_results(num_seqs):
+    """More threads than sequences included: the team is cut to the sequences (none for
+    one, which runs on the caller), with the same results."""
     gen = torch.Generator().manual_seed(7)
-    seq_lens = [40 + 13 * i for i in range(12)]
+    seq_lens = [40 + 13 * i for i in range(num_seqs)]
     num_blocks = sum(-(-n // 16) for n in seq_lens)
     cache = filled_cache("float32", num_blocks, 16, 2, 64, gen)
     md = decode_metadata(seq_lens, num_blocks, 16, gen)
@@ -148,7 +151,7 @@ def test_threads_split_sequences_without_changing_results():
     try:
         torch.set_num_threads(1)
         one = backend._decode(query, cache, md, 0.125)
-        torch.set_num_threads(2)
+        torch.set_num_threads(3)
         two = backend._decode(query, cache, md, 0.125)
     finally:
         torch.set_num_threads(threads)

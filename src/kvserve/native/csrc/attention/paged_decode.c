@@ -207,7 +207,13 @@ int paged_decode_attention(const paged_decode_args *args) {
 #endif
     work_floats += io_bf16 ? 2 * (size_t)row_floats : 0;
     int failed = 0, next_seq = 0;
-    #pragma omp parallel num_threads(num_threads)
+    /* No more threads than sequences: a thread takes whole sequences, so the others would
+     * find none, yet the region would wait for each of them to wake and join.  One sequence
+     * (one user at a time) runs on the calling thread alone, with no team: on a 2-core CPU
+     * whose other core was busy, the second thread's wake-up and the join took 7.7 ms a call
+     * against ~0.1 ms of attention (docs/decisions/decode-one-row-team.md). */
+    const int team = num_threads < num_seqs ? num_threads : num_seqs > 1 ? num_seqs : 1;
+    #pragma omp parallel num_threads(team) if(team > 1)
     {
         float *work = malloc(sizeof(float) * work_floats);
         if (!work) {
