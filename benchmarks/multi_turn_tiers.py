@@ -129,6 +129,12 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1088)
     p.add_argument("--progress", type=int, default=0, help="print every N finished turns")
     p.add_argument(
+        "--weight-dtype",
+        default="auto",
+        help="float: the same weights for every step (auto's int8 decode steps make a block's "
+        "K/V depend on whether a decode or a prefill computed it)",
+    )
+    p.add_argument(
         "--configs",
         default="off,none:0.05,int8:0.05,int8:0.02:disk",
         help="comma-separated: off, or COMPRESSION:GIB[:disk] (a disk tier in a fresh folder)",
@@ -137,7 +143,12 @@ def main() -> None:
     results = {}
     for config in args.configs.split(","):
         kw = tier_kwargs(config)
-        llm = LLM(kv_cache_memory=args.kv_cache_mib * 2**20, max_model_len=args.max_model_len, **kw)
+        llm = LLM(
+            kv_cache_memory=args.kv_cache_mib * 2**20,
+            max_model_len=args.max_model_len,
+            weight_dtype=args.weight_dtype,
+            **kw,
+        )
         t0 = time.perf_counter()
         results[config] = r = run(llm, args)
         print(
