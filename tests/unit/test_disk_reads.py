@@ -168,3 +168,13 @@ def test_a_file_another_server_wrote_after_the_start_is_found_and_read(tmp_path)
     out = scheduler.schedule()
     assert [key for key, _ in out.disk_to_host] == keys and not out.scheduled
     assert cm.host.disk.stats.num_found_blocks == 2
+
+
+def test_the_store_reads_for_the_head_of_the_queue_only_while_a_sequence_slot_is_free():
+    cm = KVCacheManager(8, block_size=4)
+    scheduler = Scheduler(1, 32, 64, cm)  # one sequence at a time
+    add(scheduler, "a", A)
+    add(scheduler, "d", D)
+    assert [r.request_id for r in scheduler.admissible_head(4)] == ["a", "d"]
+    scheduler.schedule()  # a runs: no slot for d
+    assert scheduler.admissible_head(4) == []

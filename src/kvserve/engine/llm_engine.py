@@ -253,7 +253,7 @@ class LLMEngine:
         StepFailedError names them; the engine can go on.  EngineCorruptedError when the
         block bookkeeping no longer adds up afterwards: the engine must not go on."""
         with record_function("kvserve::schedule"):
-            self.services.before_schedule(self.scheduler.waiting.first(4), self.cache_manager)
+            self.services.before_schedule(self.scheduler.admissible_head(4), self.cache_manager)
             scheduler_output = self.scheduler.schedule()
         try:
             outputs = self._run_scheduled(scheduler_output)

@@ -155,6 +155,12 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         return self._output(scheduled, preempted)
 
+    def admissible_head(self, num: int) -> list[Request]:
+        """The first `num` waiting requests when this step could admit one (a free sequence
+        slot), else none: what the prefix store reads back blocks for before a step (blocks
+        read for a request that cannot start could be evicted before it does)."""
+        return self.waiting.first(num) if len(self.running) < self.max_num_seqs else []
+
     def tier_copies_only(self) -> SchedulerOutput:
         """A step that computes nothing: the tier copies queued since the last step (blocks
         the prefix store's reads evicted, copied to the host tier before they are reused)."""
