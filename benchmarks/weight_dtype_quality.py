@@ -1,8 +1,8 @@
 """What --weight-dtype costs in quality: perplexity and greedy agreement of each weight format
 against the first (float by default), on one model, with an unquantized KV cache.
 
-    .venv/bin/python -m kvserve.evaluation.sample_text /tmp/ref.txt
-    .venv/bin/python benchmarks/weight_dtype_quality.py --text /tmp/ref.txt
+    .venv/bin/python -m kvserve.evaluation.sample_text ref.txt
+    .venv/bin/python benchmarks/weight_dtype_quality.py --text ref.txt
 
 Each format's model is loaded as `kvserve eval-kv --weight-dtype X` loads it (float32 on a
 CPU unless --dtype says otherwise); the perplexity runs windows of --context-len tokens over
