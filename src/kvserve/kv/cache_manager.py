@@ -819,9 +819,12 @@ class KVCacheManager:
         if not found:
             return []
         hashes = self._hashes(request)
-        own = {group_key(k, g) for k in hashes.keys for g in range(self.num_groups)}
-        protected = [b for k in own if (b := self.pool.lookup(k)) is not None]
-        held = [b for b in protected if self.pool.blocks[b].ref_cnt == 0]
+        # The request's own free cached blocks, in prefix order (freed back tail first, so
+        # its later blocks stay the first of them to evict).
+        own = (
+            self.pool.lookup(group_key(k, g)) for k in hashes.keys for g in range(self.num_groups)
+        )
+        held = [b for b in own if b is not None and self.pool.blocks[b].ref_cnt == 0]
         self.pool.touch(held)  # out of the free queue while the others are allocated
         try:
             block_ids = self.pool.allocate(min(len(found), self.pool.num_free_blocks))
