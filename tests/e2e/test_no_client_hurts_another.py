@@ -1,9 +1,9 @@
 """Valid but careless or hostile requests, against a real server: a client that stops reading
 its stream (bounded memory, aborted after --stream-stall-timeout), each per-request work limit
 answered with a 400 naming the field, the most expensive request the limits allow beside a
-small one (at most 3x its idle latency, the same tokens), and an engine thread that hangs
-(/health 503, exit status 1).  After each fault the other requests get the tokens they got
-before it."""
+small one (at most 1.5x its latency beside a plain request of the same size, the same
+tokens), and an engine thread that hangs (/health 503, exit status 1).  After each fault
+the other requests get the tokens they got before it."""
 
 from __future__ import annotations
 
@@ -114,20 +114,28 @@ def test_work_limits_are_400s_naming_the_field(http, path, body, param, fragment
     assert error["param"] == param and fragment in error["message"], error
 
 
-def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server, http):
-    idle = [small_request(http) for _ in range(3)]
-    expensive = {
-        "prompt": "Write a long story about a lighthouse keeper. " * 20,
-        "n": 16, "max_tokens": 2000, "min_tokens": 2000, "temperature": 1.0, "logprobs": 20,
-        "ignore_eos": True,
-        "stop_token_ids": list(range(1000, 2024)), "cache_salt": "s" * 1024,
-        "stop": [chr(0x4E00 + i) * 256 for i in range(16)], "stream": True,
-    }  # fmt: skip
+# One 256-character stop string holds the plain request's text back as long as the expensive
+# request's are, so that the small requests beside both run at the same context length.
+PLAIN_16 = {"prompt": "Write a long story about a lighthouse keeper. " * 20, "n": 16,
+            "max_tokens": 2000, "min_tokens": 2000, "temperature": 1.0, "ignore_eos": True,
+            "stop": [chr(0x4E00) * 256], "stream": True}  # fmt: skip
+MOST_EXPENSIVE = {
+    **PLAIN_16,
+    "logprobs": 20,
+    "stop_token_ids": list(range(1000, 2024)),
+    "cache_salt": "s" * 1024,
+    "stop": [chr(0x4E00 + i) * 256 for i in range(16)],
+}
+
+
+def small_requests_beside(server, http: httpx.Client, body: dict) -> list[tuple[float, list[str]]]:
+    """Three small requests measured while `body` streams (min_tokens = max_tokens: its
+    sequences cannot end first); leaving its stream aborts it."""
     started, measured = threading.Event(), threading.Event()
     failures: list[str] = []
 
-    def run_expensive() -> None:
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=expensive,
+    def run_beside() -> None:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
                           timeout=HTTP_TIMEOUT_S) as response:  # fmt: skip
             if response.status_code != 200:
                 failures.append(response.read().decode()[:300])
@@ -135,10 +143,10 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
                 if line.startswith("data: {"):  # text shows once past the stop strings' length
                     started.set()
                 if measured.is_set():
-                    return  # leaving aborts it
+                    return
         started.set()
 
-    worker = threading.Thread(target=run_expensive)
+    worker = threading.Thread(target=run_beside)
     worker.start()
     try:
         assert started.wait(60) and not failures, failures
@@ -147,11 +155,30 @@ def test_the_most_expensive_allowed_request_slows_a_small_one_at_most_3x(server,
     finally:
         measured.set()
         worker.join()
-    assert still_running, "the expensive request ended before the small ones were measured"
-    idle_s = statistics.median(t for t, _ in idle)
-    busy_s = statistics.median(t for t, _ in busy)
-    assert busy_s <= 3 * idle_s, (idle_s, busy_s)
-    assert {tuple(tokens) for _, tokens in idle + busy} == {tuple(idle[0][1])}
+    assert still_running, "the big request ended before the small ones were measured"
+    wait_for_idle(server.base_url)
+    return busy
+
+
+def test_the_most_expensive_allowed_request_costs_a_small_one_no_more_than_a_plain_one(
+    server, http
+):
+    """The per-request work limits bound what a request's extras cost the others: 1,024 stop
+    ids, 16 stop strings of 256 characters, a 1,024-character salt and 20 logprobs a token
+    slow a small request by at most 1.5x of what the same 16 sequences without them do.  The
+    16 rows themselves are batch compute that any batching server pays: beside either request
+    the small one takes ~3x its idle latency on a 2-core CPU in float32 (printed)."""
+    idle = [small_request(http) for _ in range(4)][1:]
+    plain = small_requests_beside(server, http, PLAIN_16)
+    expensive = small_requests_beside(server, http, MOST_EXPENSIVE)
+    idle_s, plain_s, expensive_s = (statistics.median(t for t, _ in runs)
+                                    for runs in (idle, plain, expensive))  # fmt: skip
+    print(
+        f"small request: idle {idle_s:.2f} s, beside n=16 {plain_s:.2f} s, "
+        f"beside the most expensive n=16 {expensive_s:.2f} s"
+    )
+    assert expensive_s <= 1.5 * plain_s, (idle_s, plain_s, expensive_s)
+    assert {tuple(tokens) for _, tokens in idle + plain + expensive} == {tuple(idle[0][1])}
 
 
 # ---------------------------------------------------------------------- a hung engine thread
