@@ -22,10 +22,10 @@ def test_offload_fills_free_slots_then_evicts_lru_and_queues_one_copy_per_new_ke
     assert host.offload(9, b"k0") == (True, [])  # already held: no copy, k0 becomes MRU
     assert host.offload(5, b"k2") == (True, [b"k1"])  # k1 was the LRU entry
     transfers = host.take_transfers()
-    assert transfers.offloads == [(7, 0), (3, 1), (5, 1)]  # k2 reuses k1's slot
+    assert transfers.offloads == [(7, 0), (5, 1)]  # k2 reuses k1's slot: k1's copy is dropped
     assert transfers.loads == []
     assert host.lookup(b"k0") == 0 and host.lookup(b"k1") is None and host.lookup(b"k2") == 1
-    assert host.stats.num_offloaded_blocks == 3 and host.stats.num_dropped_blocks == 1
+    assert host.stats.num_offloaded_blocks == 2 and host.stats.num_dropped_blocks == 1
     host.check_invariants()
 
 
@@ -79,10 +79,11 @@ def test_evicted_blocks_go_to_the_host_and_come_back_on_a_hit():
     # b was freed tail first: its blocks 0, 1, 2 are the next evicted.  a2's two hits take
     # blocks 0 and 1 (b's content saved to free slots 2 and 3 first), filled from slots 1
     # (a's block 0) and 0 (a's block 1); its third block evicts block 2, whose content takes
-    # the least recently used unpinned slot: 2 (a's slots are pinned by the loads).
+    # the least recently used unpinned slot: 2 (a's slots are pinned by the loads), whose
+    # queued copy of block 0 is dropped with it.
     assert run(cm, "a2", A) == [0, 1, 2]
     moved = cm.take_host_transfers()
-    assert moved.offloads == [(0, 2), (1, 3), (2, 2)]
+    assert moved.offloads == [(1, 3), (2, 2)]
     assert moved.loads == [(0, 1), (1, 0)]
     stats = cm.prefix_stats
     assert (stats.queries, stats.hits, stats.host_hits) == (9 + 16 + 9, 8, 8)

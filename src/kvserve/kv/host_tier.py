@@ -31,6 +31,10 @@ entry dropped in the step that offloaded it has no bytes in its slot yet: its fi
 from the device block instead (*device_to_disk*, which still holds them until the step's loads
 and forward pass).
 
+A slot dropped in the step that offloaded into it loses that queued offload: the dropped
+entry's file comes from the device block, and the slot's next owner (another offload, or a
+disk read that a reader thread fills while the step's offloads run) must not be overwritten.
+
 A block offloaded after reuse on the device, or loaded back from here (a host hit), counts as
 reused for the host's policy too; it keeps the retention priority it had on the device.
 
@@ -171,7 +175,18 @@ class HostTier:
             self.stats.num_dropped_blocks += 1
             dropped.append(victim)
             self._demote(victim, victim_slot)
+            self._cancel_offload_into(victim_slot)
         return self._free_slots.pop(), dropped
+
+    def _cancel_offload_into(self, slot: int) -> None:
+        """Drop this step's queued offload into `slot`, whose entry was just dropped (its file,
+        if any, is written from the device block): the slot's next owner may be a disk read,
+        which the reader thread fills while the step's offloads run, and an offload still
+        queued into it would overwrite part of the read."""
+        block_id = self._fresh.pop(slot, None)
+        if block_id is not None:
+            self._transfers.offloads.remove((block_id, slot))
+            self.stats.num_offloaded_blocks -= 1
 
     def _demote(self, key: bytes, slot: int) -> None:
         """A dropped entry goes to the disk tier: from its slot (written before the step's
