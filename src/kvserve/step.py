@@ -84,8 +84,8 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests whose ScheduledRequest.sample is True
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # The disk tier's reads that ended since the last output (rank 0's; another rank waits
-    # for its own before a load from the slot): in their host slots, or failed (file gone or
+    # The disk tier's reads that ended since the last output, on every rank
+    # (executor/disk_reads.py): in their host slots, or failed on some rank (file gone or
     # corrupt: a miss).
     disk_reads_done: tuple[bytes, ...] = ()
     disk_reads_failed: tuple[bytes, ...] = ()

@@ -11,6 +11,8 @@ The embedded model in bfloat16 for the native path's comparison."""
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kvserve.models.packed_linear import can_pack
 from kvserve.planner.layers import kv_layout
 from kvserve.planner.plan import engine_kv_capacity, kv_capacity
 from kvserve.planner.readers import load_model_shape
+from kvserve.runner.disk_tier import block_file
 
 BLOCK = 16
 A = [(i * 7919) % 40000 + 7 for i in range(60)]
@@ -170,3 +173,50 @@ def test_prefix_store_of_two_ranks_is_one_ranks_store(tiny_dir, tmp_path):
     [again_b] = served(2, [B])
     assert again_b.num_cached_tokens == (len(B) - 1) // BLOCK * BLOCK
     assert again_b.outputs[0].token_ids == fresh_b.outputs[0].token_ids
+
+
+def test_tp2_a_disk_read_that_fails_on_one_rank_only_is_a_miss(tiny_dir, tmp_path):
+    """With 2 ranks each reads its own file of a block: when rank 1's file of A's third block
+    is gone (rank 0's is there), that block is a miss on both, recomputed, with one rank's
+    tokens; the blocks before it come back from disk.  Rank 0's read alone would have let
+    rank 1 load a host slot that its read never filled."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    others = [[(i * p) % 40000 + 13 for i in range(150)] for p in (7727, 3571, 6007, 4409)]
+
+    def served(tensor_parallel_size: int, folder: Path) -> LLM:
+        per_token = 2 * 2 * 2 * 16 * 4 // tensor_parallel_size  # float32, per rank
+        return LLM(
+            tiny_dir, dtype="float32", block_size=BLOCK, max_model_len=12 * BLOCK,
+            kv_cache_memory=12 * BLOCK * per_token, kv_offloading_compression="none",
+            kv_offloading_size=5 * BLOCK * per_token / 2**30, kv_offloading_dir=str(folder),
+            kv_offloading_dir_size=2**20, kv_offloading_store_threshold=1,
+            tensor_parallel_size=tensor_parallel_size,
+        )  # fmt: skip
+
+    def tokens(llm: LLM, prompt: list[int]) -> list[int]:
+        return list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+
+    one = served(1, tmp_path / "one")
+    reference = [tokens(one, p) for p in [A, *others, A]]
+    one.engine.close()
+    two = served(2, tmp_path / "two")
+    try:
+        cm = two.engine.cache_manager
+        assert tokens(two, A) == reference[0]
+        keys = [b.block_hash for b in cm.pool.blocks if b.block_hash is not None]
+        assert len(keys) == (len(A) + 8) // BLOCK  # A's full blocks, outputs included
+        assert [tokens(two, p) for p in others] == reference[1:-1]
+        assert all(key in cm.host.disk and key not in cm.host for key in keys)  # on disk only
+        folder = two.engine.executor.driver_worker.runner.disk_blocks.directory
+        rank1_files = [block_file(folder, key, rank=1) for key in keys]
+        deadline = time.monotonic() + 30  # rank 1's writer thread, in its own process
+        while not all(f.is_file() for f in rank1_files):
+            assert time.monotonic() < deadline, "rank 1 never wrote its files"
+            time.sleep(0.05)
+        rank1_files[2].unlink()
+        again = two.generate([A], greedy)[0]
+        assert list(again.outputs[0].token_ids) == reference[-1]
+        assert cm.host.disk.stats.num_lost_blocks == 1
+        assert again.num_cached_tokens == 2 * BLOCK  # the third block and the rest recomputed
+    finally:
+        two.engine.close()

@@ -13,6 +13,7 @@ from test_host_tier import A, B, run
 from kvserve.attention.kv_cache import allocate_kv_caches
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.cache_manager import KVCacheManager
+from kvserve.kv.disk_tier import DiskTier
 from kvserve.kv.spec import kv_cache_spec
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.runner.disk_tier import DiskBlocks, block_file
@@ -178,3 +179,16 @@ def test_the_store_reads_for_the_head_of_the_queue_only_while_a_sequence_slot_is
     assert [r.request_id for r in scheduler.admissible_head(4)] == ["a", "d"]
     scheduler.schedule()  # a runs: no slot for d
     assert scheduler.admissible_head(4) == []
+
+
+def test_a_file_found_then_lost_is_not_found_again_until_this_server_stores_it():
+    """A file the probe finds but that cannot be read (corrupt, or another rank's share
+    missing) is a miss once, not a read retried every step; storing the key ends that."""
+    folder = {b"k0"}  # a broken file stays in the folder
+    disk = DiskTier(8, probe=folder.__contains__)
+    assert disk.find(b"k0") and disk.stats.num_found_blocks == 1
+    assert disk.lost(b"k0")
+    assert not disk.find(b"k0") and disk.stats.num_found_blocks == 1
+    assert disk.store(b"k0") == (True, [])  # this server writes it: known again
+    assert disk.find(b"k0")
+    assert disk.lost(b"k0") and not disk.find(b"k0")

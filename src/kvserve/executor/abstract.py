@@ -133,9 +133,12 @@ class Executor(ABC):
         return keys_in(disk_dir)
 
     def disk_tier_probe(self, disk_dir: Path) -> Callable[[bytes], bool]:
-        """Whether the disk tier's folder holds a key's block file now (rank 0's: a file
-        another server on the folder wrote since this one listed it)."""
-        return lambda key: block_file(disk_dir, key).is_file()
+        """Whether the disk tier's folder holds a key's block files now, every rank's (files
+        another server on the folder wrote since this one listed it).  The folder is rank
+        0's view: with ranks on other machines a rank whose file is missing fails its read,
+        which makes the block a miss (executor/disk_reads.py)."""
+        ranks = range(self.driver_worker.world_size)
+        return lambda key: all(block_file(disk_dir, key, rank).is_file() for rank in ranks)
 
     def measure_host_memory(self) -> HostMemory:
         """This machine's RAM (the host tier's; after the weights are loaded)."""

@@ -32,6 +32,7 @@ from kvserve.config import CacheConfig, LoadConfig, ModelConfig
 from kvserve.errors import ParameterError
 from kvserve.executor.base import WorkerSpec, bind_compute_threads, tensor_parallel_refuses
 from kvserve.executor.collective import STORE_TIMEOUT, make_process_group, receive_object
+from kvserve.executor.disk_reads import DiskReadsOfEveryRank
 from kvserve.executor.kv_dtype_check import Canary, check_kv_cache_dtype
 from kvserve.executor.kv_shards import gather_heads
 from kvserve.executor.layer_kernels import choose_layer_kernels
@@ -108,6 +109,7 @@ class Worker:
         self.kv_caches: list[LayerKVCache] = []
         self.num_blocks = 0
         self.runner: ModelRunner | None = None
+        self.disk_reads: DiskReadsOfEveryRank | None = None  # N ranks with a disk tier
 
     def join(self, store: dist.Store, before_join: Callable[[], None] | None = None) -> None:
         """N > 1: say this rank is built, wait (`before_join`: rank 0 waits for every rank),
@@ -197,12 +199,14 @@ class Worker:
                                pin_memory=self.device.type == "cuda")
             if num_host else None
         )  # fmt: skip
+        disk_blocks = self._disk_blocks(disk_dir, host_kv_caches)
         self.runner = ModelRunner(
             self.model, self.kv_caches, self.backend, spec.block_size, self.device,
             seed=self.spec.config.load.seed, host_kv_caches=host_kv_caches,
-            layer_groups=layer_groups(spec),
-            disk_blocks=self._disk_blocks(disk_dir, host_kv_caches),
+            layer_groups=layer_groups(spec), disk_blocks=disk_blocks,
         )  # fmt: skip
+        if disk_blocks is not None and self.world_size > 1:
+            self.disk_reads = DiskReadsOfEveryRank(self.cpu_group)
 
     def _disk_blocks(
         self, disk_dir: str | None, host_kv_caches: list[LayerKVCache] | None
@@ -233,7 +237,8 @@ class Worker:
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "initialize_kv_caches first"
-        return self.runner.execute(output)
+        result = self.runner.execute(output)
+        return result if self.disk_reads is None else self.disk_reads.agree(output, result)
 
     # ------------------------------------------------------------------ the prefix store's rows
     def gather_kv_rows(self, layer: int, name: str, block_ids: torch.Tensor) -> torch.Tensor:

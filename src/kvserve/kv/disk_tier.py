@@ -8,7 +8,10 @@ runner/disk_tier.py, the host tier (kv/host_tier.py) queues the copies.
 
 The folder may be shared by several servers of one model, each evicting by its own LRU: a
 file that vanished (another server deleted it) or is corrupt when read is a miss, not an
-error: `lost` forgets the key and the request recomputes those tokens.
+error: `lost` forgets the key and the request recomputes those tokens.  A lost key is not
+found again through the folder (its file may be there, corrupt, or another rank's missing)
+until this server stores it: a bounded memory of the last lost keys, so that a lookup does
+not read the same broken file step after step.
 
 A key's content never changes, so a key already on disk is not written again, and a block
 promoted from disk keeps its file (dropped from the host again, it costs no write).  The
@@ -21,6 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+MAX_REMEMBERED_LOST = 4096  # keys, ~200 KB
 
 
 @dataclass
@@ -47,6 +52,7 @@ class DiskTier:
         self.num_blocks = num_blocks
         self._probe = probe
         self._keys: OrderedDict[bytes, None] = OrderedDict.fromkeys(present)
+        self._lost: OrderedDict[bytes, None] = OrderedDict()  # not to be found again
         self.stats = DiskTierStats()
 
     def __contains__(self, key: object) -> bool:
@@ -76,6 +82,7 @@ class DiskTier:
             self._keys.move_to_end(key)
             return False, []
         self._keys[key] = None
+        self._lost.pop(key, None)
         deleted = []
         while len(self._keys) > self.num_blocks:
             deleted.append(self._keys.popitem(last=False)[0])
@@ -89,7 +96,7 @@ class DiskTier:
         known from now on, most recently used)."""
         if key in self._keys:
             return True
-        if self._probe is None or not self._probe(key):
+        if self._probe is None or key in self._lost or not self._probe(key):
             return False
         self._keys[key] = None
         self.stats.num_found_blocks += 1
@@ -117,6 +124,9 @@ class DiskTier:
         if key not in self._keys:
             return False
         del self._keys[key]
+        self._lost[key] = None
+        if len(self._lost) > MAX_REMEMBERED_LOST:
+            self._lost.popitem(last=False)
         self.stats.num_lost_blocks += 1
         return True
 

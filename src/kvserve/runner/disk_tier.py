@@ -169,6 +169,7 @@ class DiskBlocks:
             for j, table in enumerate(cache.tensors):
                 table[slot].copy_(tensors[f"{i}.{j}"])
 
+    @torch.inference_mode()  # a rank > 0 allocates its host caches in inference mode
     def _read_loop(self) -> None:
         while (item := self._reads.get()) is not None:
             key, slot = item
