@@ -25,7 +25,7 @@ import torch
 from kvserve import kv_quant as quant
 from kvserve.attention import bf16_prefill, shared_prefix
 from kvserve.attention.base import AttentionMetadata, DecodeStepPlan, PrefillSpan
-from kvserve.attention.kv_cache import LayerKVCache
+from kvserve.attention.kv_cache import LayerKVCache, as_int64
 from kvserve.attention.torch_ref import (
     TorchRefBackend,
     _sequence_attention,
@@ -66,13 +66,6 @@ def _rows_of(spans: list[PrefillSpan]) -> slice | torch.Tensor:
     if all(a.query_end == b.query_start for a, b in zip(spans, spans[1:], strict=False)):
         return slice(spans[0].query_start, spans[-1].query_end)
     return torch.cat([torch.arange(s.query_start, s.query_end) for s in spans])
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a contiguous int64 tensor: itself where it already is one.  The metadata's
-    tables, lengths and slots are, yet `.to(torch.int64).contiguous()` still cost ~4 us each
-    time, five times a layer (30 layers a one-row step)."""
-    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _cache_keeps_as_computed(
@@ -134,13 +127,13 @@ class CpuPagedBackend(TorchRefBackend):
             or not _attends_prefix_once(metadata, prefix_len, inside)
         ):
             if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
-                store = ops.NewRows(key, value, _int64(metadata.slot_mapping))
+                store = ops.NewRows(key, value, as_int64(metadata.slot_mapping))
                 return self._decode(query, kv_cache, metadata, scale, store)
             return super().forward(query, key, value, kv_cache, metadata, scale)
         if not metadata.prefills and _kernel_can_store(key, value, kv_cache):
             # Decodes only, all past the prefix: the kernel stores their rows as it attends
             # them (W3's decode steps: a separate write cost ~60 us a layer).
-            store = ops.NewRows(key, value, _int64(metadata.slot_mapping))
+            store = ops.NewRows(key, value, as_int64(metadata.slot_mapping))
             return self._split_at_shared_prefix(query, kv_cache, metadata, scale, store)
         kv_cache.write(metadata.slot_mapping, key, value)
         if not inside:
@@ -188,9 +181,9 @@ class CpuPagedBackend(TorchRefBackend):
         prefix_len = metadata.shared_prefix_blocks * block_size
         plan = DecodeStepPlan(
             kv_caches=tuple(kv_caches),
-            tables=metadata.decode_block_tables.to(torch.int64).contiguous(),
-            seq_lens=metadata.decode_seq_lens.to(torch.int64).contiguous(),
-            slots=metadata.slot_mapping.to(torch.int64).contiguous(),
+            tables=as_int64(metadata.decode_block_tables),
+            seq_lens=as_int64(metadata.decode_seq_lens),
+            slots=as_int64(metadata.slot_mapping),
             block_size=block_size,
         )
         if not _attends_prefix_once(metadata, prefix_len, ()):
@@ -438,7 +431,7 @@ class CpuPagedBackend(TorchRefBackend):
             and not kv_cache.quantized
         ):
             return None
-        tables = tables.to(torch.int64).contiguous()
+        tables = as_int64(tables)
         return bf16_prefill.attend_paged(
             query, kv_cache.key, kv_cache.value, tables, num_keys, causal, scale, with_lse
         )
@@ -480,6 +473,6 @@ class CpuPagedBackend(TorchRefBackend):
         q = query if io_bf16 or query.dtype is torch.float32 else query.to(torch.float32)
         q = q.contiguous()
         out = torch.empty_like(q)
-        tables, lens = _int64(block_tables), _int64(seq_lens)
+        tables, lens = as_int64(block_tables), as_int64(seq_lens)
         self._kernels.paged_decode(q, out, kv_cache, tables, lens, scale, lse, store, prior, window)
         return out
