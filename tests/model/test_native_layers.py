@@ -173,11 +173,12 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(
 
 
 def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(model_dirs):
-    """plan_decode_step declines what `forward` attends otherwise (prefills, float32 queries,
-    an 8-bit cache's prefix shared by enough decodes), and plans a prefix shared by enough
-    decodes to be attended once (128 tokens, 4 sequences) as `forward` splits it: the first
-    sequence's prefix blocks, each sequence's length past the prefix, buffers for the
-    prefix's outputs and log-sum-exps.  An 8-bit cache's plan carries its scales."""
+    """plan_decode_step declines what `forward` attends otherwise (prefills, queries of another
+    dtype than the cache's, an 8-bit cache's prefix shared by enough decodes), and plans a
+    prefix shared by enough decodes to be attended once (128 tokens, 4 sequences) as `forward`
+    splits it: the first sequence's prefix blocks, each sequence's length past the prefix,
+    buffers for the prefix's outputs and log-sum-exps.  An 8-bit cache's plan carries its
+    scales."""
     import dataclasses
 
     from kvserve.attention.base import AttentionMetadata
@@ -208,7 +209,7 @@ def test_one_call_steps_leave_prefills_and_8_bit_shared_prefixes_to_the_layers(m
     assert split.prefix_blocks == 8 and split.prefix_table.tolist() == list(range(8))
     assert split.seq_lens.tolist() == [150 - 128] * 4
     assert split.prior_out.shape == (4, heads, 32) and split.prior_lse.shape == (4, heads)
-    assert plan(decodes(3, 8), model_dtype=torch.float32) is None
+    assert plan(decodes(3, 8), model_dtype=torch.float32) is None  # queries unlike the cache
     assert plan(dataclasses.replace(decodes(1, 0), prefills=("a prefill",))) is None
     int8 = LLM(model_dirs["llama"], dtype="bfloat16", kv_cache_memory=4 * 2**20,
                max_model_len=256, enforce_eager=False, enable_prefix_caching=False,

@@ -170,7 +170,8 @@ class CpuPagedBackend(TorchRefBackend):
             # the one-call step (layer/decode_layer.c) neither rotates nor stores 4-bit codes.
             or first.rotated
             or first.kv_dtype in quant.PACKED_DTYPES
-            or dtype != torch.bfloat16  # the kernel's bf16 queries and outputs (io_bf16)
+            # bf16 queries and outputs (decode_layer.c), or float32 ones (decode_step_q8.c)
+            or dtype not in (torch.bfloat16, torch.float32)
             or metadata.prefills
             or first.key.device.type != "cpu"
             or any(c.kv_dtype != first.kv_dtype for c in kv_caches)
@@ -188,7 +189,7 @@ class CpuPagedBackend(TorchRefBackend):
         )
         if not _attends_prefix_once(metadata, prefix_len, ()):
             return plan
-        if not self._bf16_prefill or block_size % 16 or first.quantized:
+        if not self._bf16_prefill or block_size % 16 or first.quantized or dtype != torch.bfloat16:
             return None  # forward gathers the prefix for SDPA: the layers call it
         rows, dim = metadata.num_decode_tokens, first.key.shape[3]
         return replace(

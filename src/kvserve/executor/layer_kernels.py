@@ -40,6 +40,35 @@ def choose_layer_kernels(
     `all_ranks(ok)` is True when `ok` is True on every rank (a collective with N ranks)."""
     if enforce_eager:
         return
+    _choose_between_attentions(model, warm_up, world_size, all_ranks)
+    _q8_decode_step_warmed_up(model, warm_up, world_size)
+
+
+def _q8_decode_step_warmed_up(
+    model: nn.Module, warm_up: Callable[[], None], world_size: int
+) -> None:
+    """A float32 model over 8-bit weights takes its few-row decode steps in one C call
+    (models/q8_decode_step.py) where it can, warmed up here; one that fails is dropped."""
+    if world_size > 1 or not model.use_q8_decode_step():
+        return
+    try:
+        warm_up()
+    except Exception as exc:  # noqa: BLE001 - any failure: the per-layer path serves
+        logger.warning("the 8-bit decode step failed, decoding layer by layer (%s: %s)",
+                       type(exc).__name__, _first_line(exc))  # fmt: skip
+        model.q8_step = None
+        return
+    logger.info("decode steps of up to %d rows run in one call (decode_step_q8.c)",
+                model.q8_step.max_rows)  # fmt: skip
+
+
+def _choose_between_attentions(
+    model: nn.Module,
+    warm_up: Callable[[], None],
+    world_size: int,
+    all_ranks: Callable[[bool], bool],
+) -> None:
+    """The native layers, torch.compile or eager layers, as the module docstring says."""
     if _native_layers_warmed_up(model, warm_up, world_size):
         logger.info("the layers run their native path (native/csrc/layer/decode_layer.c)")
         return

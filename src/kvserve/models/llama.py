@@ -46,6 +46,7 @@ from kvserve.models.packed_linear import (
     pack_linear_layers,
     padded_rows,
 )
+from kvserve.models.q8_decode_step import Q8DecodeStep
 from kvserve.models.quantized_linear import Q8Linear, Q8Plan, quantize_linear_layers
 
 
@@ -291,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = EAGER
         # The same work in C for every step (native_layers.py); None: not for this model.
         self.native_layers: NativeLayers | None = None
+        # A float32 model's decode steps over 8-bit weights in C (q8_decode_step.py), or None.
+        self.q8_step: Q8DecodeStep | None = None
         # The LM head's own weights where they differ from the embedding's table or the
         # lm_head Linear: oneDNN-packed (pack_weights) or 8-bit (quantize_weights).
         self.logits_head: PackedLinear | Q8Linear | None = None
@@ -309,6 +312,12 @@ class LlamaForCausalLM(nn.Module):
             return False  # q/k norms, Gemma's norms and GELU: the C code has none of them
         self.native_layers = NativeLayers.build(self.layers)
         return self.native_layers is not None
+
+    def use_q8_decode_step(self) -> bool:
+        """Run decode-only steps of a few rows through native/csrc/layer/decode_step_q8.c from
+        now on (float32 layers over 8-bit weights); False where it cannot serve them."""
+        self.q8_step = Q8DecodeStep.build(self.layers)
+        return self.q8_step is not None
 
     def set_rope(self, device: torch.device) -> None:
         """The RoPE tables on `device` (after a build on the meta device)."""
@@ -388,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         needs the per-layer calls' ranges, attention apart from the layers).  The runner asks
         the backend for a plan only then."""
         native = self.native_layers
-        if native is None or not native.runs_whole_steps:
+        if (native is None or not native.runs_whole_steps) and self.q8_step is None:
             return False
         if any(layer.sliding_window for layer in self.layers):
             return False  # the one-call step attends over every layer's whole context
@@ -419,6 +428,9 @@ class LlamaForCausalLM(nn.Module):
             local = self._rope_tables(positions, self.inv_freq_local, hidden.dtype)
             tables = [local if layer.local_rope else (cos, sin) for layer in self.layers]
         kernels, layers = self.kernels, self.layers
+        if self._q8_step_serves(decode_plan, num_tokens):
+            hidden, cos, sin = (x[:num_tokens].contiguous() for x in (hidden, cos, sin))
+            return self.norm(self.q8_step.run_step(layers, hidden, cos, sin, decode_plan))
         if self.native_layers is not None and self.native_layers.serves(hidden.shape[0]):
             kernels = self.native_layers
             if decode_plan is not None and self.wants_decode_plan():
@@ -442,6 +454,13 @@ class LlamaForCausalLM(nn.Module):
                     layer, layers[index + 1], hidden, attn, *tables[index + 1]
                 )
         return self.norm(kernels.post_attention(layers[-1], hidden, attn))[:num_tokens]
+
+    def _q8_step_serves(self, plan: DecodeStepPlan | None, num_tokens: int) -> bool:
+        """This decode-only step runs through the 8-bit C step (q8_decode_step.py)."""
+        return (
+            plan is not None and self.q8_step is not None and not plan.prefix_blocks
+            and self.q8_step.serves(num_tokens) and self.wants_decode_plan()
+        )  # fmt: skip
 
     @staticmethod
     def _rope_tables(

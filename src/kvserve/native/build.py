@@ -50,6 +50,7 @@ SOURCES = tuple(
         "linear/linear_dot.c",
         "linear/linear_q8.c",
         "layer/decode_layer.c",
+        "layer/decode_step_q8.c",
         "layer/silu_mul.c",
         "sampling/argmax_rows.c",
         "sampling/sample_rows.c",

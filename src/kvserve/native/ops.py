@@ -41,6 +41,8 @@ from kvserve.native.structs import (
     DecodeStepArgs,
     PagedDecodeArgs,
     PrefillArgs,
+    Q8Layer,
+    Q8StepArgs,
     layout,
 )
 
@@ -72,6 +74,8 @@ DECLARATIONS: dict[str, tuple[type, list[type]]] = {
                                          _P, _P, _I32]),
     "decode_post_attention": (_I32, [_LAYER, _P, _P, _I64, _I64, _P, _I32]),
     "decode_step_layers": (_I32, [ctypes.POINTER(DecodeStepArgs)]),
+    "q8_step_work_floats": (_I64, [ctypes.POINTER(Q8Layer), _I64]),
+    "decode_step_q8": (_I32, [ctypes.POINTER(Q8StepArgs)]),
     "silu_mul_bf16": (_I32, [_P, _I64, _P, _I64, _I64, _I64, _I32]),
     # sampling/
     "argmax_rows": (_I32, [_P, _I32, _I64, _I64, _I64, _P, _I32]),
@@ -601,6 +605,60 @@ class Kernels:
             prefix_blocks=prefix_blocks, sm_scale=scale, threads=torch.get_num_threads(),
         )  # fmt: skip
         return not self.lib.decode_step_layers(ctypes.byref(args))
+
+    @staticmethod
+    def q8_layers(layers: Sequence[Q8Layer]) -> ctypes.Array[Q8Layer]:
+        """The layers' descriptions, contiguous, for `decode_step_q8`."""
+        return (Q8Layer * len(layers))(*layers)
+
+    def decode_step_q8(
+        self,
+        layers: ctypes.Array[Q8Layer],  # q8_layers(): every layer, of one shape
+        caches: Sequence[KVTensors],  # each layer's, of one kind: float32 or 8-bit
+        hidden: torch.Tensor,  # [m, hidden] float32: the embeddings in, the last layer's out
+        cos: torch.Tensor,  # [m, D / 2] float32 (or [m, 1, D / 2])
+        sin: torch.Tensor,
+        block_tables: torch.Tensor,  # [m, max_blocks] int64
+        seq_lens: torch.Tensor,  # [m] int64: keys each decode attends, its new one included
+        slots: torch.Tensor,  # [m] int64: each decode's new row's slot
+        scale: float,
+    ) -> bool:
+        """csrc/layer/decode_step_q8.c: every layer of a float32 decode step over 8-bit
+        weights, attention included, in one call; False where a projection declined its
+        shapes or an attention had no memory for its buffers."""
+        first, m = layers[0], hidden.shape[0]
+        key, kv_dtype = caches[0].key, caches[0].kv_dtype
+        kind = kind_of(key.dtype, kv_dtype)
+        cache_shape = (key.shape[1], first.num_kv_heads, first.head_dim)
+        if not (
+            len(caches) == len(layers) and kind in (Kind.F32, Kind.I8, Kind.E4M3, Kind.E5M2)
+            and _is(hidden, _F32, (m, first.hidden))
+            and all(_is(t, _F32, t.shape) and t.numel() == m * (first.head_dim // 2)
+                    for t in (cos, sin))
+            and all(c.kv_dtype == kv_dtype and c.key.dtype == c.value.dtype == key.dtype
+                    and c.key.shape[1:] == c.value.shape[1:] == cache_shape
+                    and c.key.is_contiguous() and c.value.is_contiguous() for c in caches)
+            and block_tables.dim() == 2 and _is(block_tables, _INT64, (m, block_tables.shape[1]))
+            and _is(seq_lens, _INT64, (m,)) and _is(slots, _INT64, (m,))
+        ):  # fmt: skip
+            _refuse("decode_step_q8", f"contiguous float32 hidden [m, {first.hidden}], cos and "
+                    f"sin [m, {first.head_dim // 2}]; a contiguous float32 or 8-bit cache a "
+                    f"layer, [blocks, {cache_shape}]; int64 tables [m, n], lengths and slots [m]",
+                    hidden=hidden, cos=cos, key=key, block_tables=block_tables,
+                    seq_lens=seq_lens, slots=slots)  # fmt: skip
+        pointers = [_ptr(t) for c in caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
+        cache_array = (ctypes.c_void_p * len(pointers))(*pointers)  # alive through the call
+        work = torch.empty(self.lib.q8_step_work_floats(ctypes.byref(first), m), dtype=_F32)
+        lut = fp8_lookup_table(kind) if kind in FP8_DTYPE else None
+        args = Q8StepArgs(
+            layers=ctypes.addressof(layers), caches=ctypes.addressof(cache_array),
+            hidden=hidden.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+            work=work.data_ptr(), lut=_ptr(lut), block_tables=block_tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), slots=slots.data_ptr(), m=m, num_layers=len(layers),
+            kind=kind, max_blocks=block_tables.shape[1], block_size=cache_shape[0],
+            sm_scale=scale, threads=torch.get_num_threads(),
+        )  # fmt: skip
+        return not self.lib.decode_step_q8(ctypes.byref(args))
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> bool:
         """SiLU(gate) x up for rows [M, 2n] bfloat16 (gate, then up) into out [M, n], each with

@@ -129,8 +129,67 @@ class DecodeStepArgs(ctypes.Structure):
     ]
 
 
+class Q8Layer(ctypes.Structure):
+    """csrc/layer/layer.h's q8_layer: one float32 layer's norms and 8-bit weights (codes and
+    scales, models/quantized_linear.py's layout) and shape."""
+
+    _fields_ = [
+        *(
+            (name, _P)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv_bias",
+                "qkv",
+                "o",
+                "gate_up",
+                "down",
+                "qkv_scales",
+                "o_scales",
+                "gate_up_scales",
+                "down_scales",
+            )
+        ),  # fmt: skip
+        ("hidden", _I64),
+        ("intermediate", _I64),
+        ("num_heads", _I32),
+        ("num_kv_heads", _I32),
+        ("head_dim", _I32),
+        ("eps", _F32),
+    ]
+
+
+class Q8StepArgs(ctypes.Structure):
+    """csrc/layer/layer.h's q8_step_args."""
+
+    _fields_ = [
+        *(
+            (name, _P)
+            for name in (
+                "layers",
+                "caches",
+                "hidden",
+                "cos",
+                "sin",
+                "work",
+                "lut",
+                "block_tables",
+                "seq_lens",
+                "slots",
+            )
+        ),  # fmt: skip
+        ("m", _I64),
+        ("num_layers", _I32),
+        ("kind", _I32),
+        ("max_blocks", _I32),
+        ("block_size", _I32),
+        ("sm_scale", _F32),
+        ("threads", _I32),
+    ]
+
+
 # In runtime/abi.c's order: structure i there is STRUCTURES[i] here.
-STRUCTURES = (PagedDecodeArgs, PrefillArgs, DecodeLayer, DecodeStepArgs)
+STRUCTURES = (PagedDecodeArgs, PrefillArgs, DecodeLayer, DecodeStepArgs, Q8Layer, Q8StepArgs)
 
 
 def layout(structure: type[ctypes.Structure]) -> tuple[int, list[tuple[str, int]]]:

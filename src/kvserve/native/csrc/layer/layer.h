@@ -1,5 +1,5 @@
 /*
- * The layer kind's entry points (decode_layer.c): what native/ops.py declares, its ctypes
+ * The layer kind's entry points (decode_layer.c, decode_step_q8.c): what native/ops.py declares, its ctypes
  * structures mirroring the two structures below field for field (runtime/abi.c reports their
  * sizes, which ops.py checks at load).
  */
@@ -32,6 +32,34 @@ typedef struct {
     float sm_scale;
     int threads;
 } decode_step_args;
+
+/* One layer of a float32 model over 8-bit weights (linear_q8.c's codes and scales). */
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias: NULL where none */
+    const int8_t *qkv, *o, *gate_up, *down;
+    const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    int64_t hidden, intermediate;
+    int32_t num_heads, num_kv_heads, head_dim;
+    float eps;
+} q8_layer;
+
+/* decode_step_q8's arguments (decode_step_q8.c says what each part does). */
+typedef struct {
+    const q8_layer *layers;     /* [num_layers], of one shape */
+    void *const *caches;        /* [4 * num_layers]: each layer's key, value, their scales */
+    float *hidden;              /* [m, hidden] */
+    const float *cos, *sin;     /* [m, head_dim / 2] */
+    float *work;                /* q8_step_work_floats(layers, m) floats */
+    const float *lut;           /* an fp8 cache's 256 values (byte -> float32), else NULL */
+    const int64_t *block_tables, *seq_lens, *slots;
+    int64_t m;
+    int num_layers, kind, max_blocks, block_size;
+    float sm_scale;
+    int threads;
+} q8_step_args;
+
+int64_t q8_step_work_floats(const q8_layer *l, int64_t m);
+int decode_step_q8(const q8_step_args *args);
 
 int decode_layer_available(void);
 int64_t decode_layer_work_bytes(const decode_layer *l, int64_t mp);

@@ -45,9 +45,22 @@ static const field STEP[] = {
     DS(prior_lse), DS(m), DS(mp), DS(num_layers), DS(kind), DS(max_blocks), DS(block_size),
     DS(prefix_blocks), DS(sm_scale), DS(threads), {NULL, 0},
 };
-static const field *const FIELDS[] = {PAGED_DECODE, PREFILL, LAYER, STEP};
+#define QL(name) FIELD(q8_layer, name)
+static const field Q8_LAYER[] = {
+    QL(input_norm), QL(post_norm), QL(qkv_bias), QL(qkv), QL(o), QL(gate_up), QL(down),
+    QL(qkv_scales), QL(o_scales), QL(gate_up_scales), QL(down_scales), QL(hidden),
+    QL(intermediate), QL(num_heads), QL(num_kv_heads), QL(head_dim), QL(eps), {NULL, 0},
+};
+#define QS(name) FIELD(q8_step_args, name)
+static const field Q8_STEP[] = {
+    QS(layers), QS(caches), QS(hidden), QS(cos), QS(sin), QS(work), QS(lut), QS(block_tables),
+    QS(seq_lens), QS(slots), QS(m), QS(num_layers), QS(kind), QS(max_blocks), QS(block_size),
+    QS(sm_scale), QS(threads), {NULL, 0},
+};
+static const field *const FIELDS[] = {PAGED_DECODE, PREFILL, LAYER, STEP, Q8_LAYER, Q8_STEP};
 static const int64_t SIZES[] = {sizeof(paged_decode_args), sizeof(prefill_attention_args),
-                                sizeof(decode_layer), sizeof(decode_step_args)};
+                                sizeof(decode_layer), sizeof(decode_step_args),
+                                sizeof(q8_layer), sizeof(q8_step_args)};
 #define COUNT ((int)(sizeof SIZES / sizeof SIZES[0]))
 
 /* The size of structure `which`, or -1 past the last. */
