@@ -30,7 +30,7 @@ def key_value_dtypes(kv_dtype: str) -> tuple[str, str]:
 
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("auto", "float", "int8")
+WEIGHT_DTYPES = ("auto", "float", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu-paged", "flex")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -556,7 +556,10 @@ class LoadConfig:
             "values in --dtype), int8 (8-bit codes with a float32 scale per 32 inputs, 3.6x "
             "fewer bytes than float32, at an 8-bit rounding of each weight: a CPU kernel "
             "dequantizes them in registers for steps of up to 8 rows, where reading the "
-            "weights bounds a step, and larger steps multiply them dequantized), or auto "
+            "weights bounds a step, and larger steps multiply them dequantized), int4 (the "
+            "projections as GGUF Q4_1-style blocks, 0.625 bytes a weight, a Q4_1 GGUF's own "
+            "codes, multiplied with activations rounded to 8-bit blocks as llama.cpp does; the "
+            "LM head int8), or auto "
             "(int8 copies for steps of up to 8 rows, the float weights kept for larger ones, "
             "where the checkpoint stores its weights quantized, a GGUF's Q4_1 or Q8_0, and a "
             "CPU computes in float32; float elsewhere). CPU only; not with "
@@ -622,10 +625,10 @@ class LoadConfig:
                 "--weight-dtype",
                 f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}",
             )
-        if self.weight_dtype == "int8" and self.tensor_parallel_size > 1:
+        if self.weight_dtype in ("int8", "int4") and self.tensor_parallel_size > 1:
             raise ParameterError(
                 "--weight-dtype",
-                "int8 weights are not sharded over tensor-parallel ranks; use "
+                f"{self.weight_dtype} weights are not sharded over tensor-parallel ranks; use "
                 "--weight-dtype float (or auto) with --tensor-parallel-size > 1",
             )
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -18,10 +18,12 @@ pytestmark = pytest.mark.skipif(not ops.available(), reason="no native library h
 PROMPTS = [[(i * 7919 + j) % 500 + 7 for i in range(9 + 13 * j)] for j in range(3)]
 
 
-def _engine(directory, kv_cache_dtype: str = "auto", enforce_eager: bool = True) -> LLM:
-    """int8 weights over a float32 model.  No prefix caching: a second run must compute what
-    the first did, not read its K/V back."""
-    return LLM(str(directory), dtype="float32", weight_dtype="int8", kv_cache_memory=8 * 2**20,
+def _engine(
+    directory, kv_cache_dtype: str = "auto", enforce_eager: bool = True, weights: str = "int8"
+) -> LLM:
+    """int8 (or int4) weights over a float32 model.  No prefix caching: a second run must
+    compute what the first did, not read its K/V back."""
+    return LLM(str(directory), dtype="float32", weight_dtype=weights, kv_cache_memory=8 * 2**20,
                max_model_len=256, enforce_eager=enforce_eager, enable_prefix_caching=False,
                kv_cache_dtype=kv_cache_dtype, kv_cache_dtype_check="off")  # fmt: skip
 
@@ -53,16 +55,20 @@ def _count_steps(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "kv_cache_dtype"),
-    [("llama3", "auto"), ("llama3", "int8"), ("llama3", "fp8_e4m3"), ("qwen2", "auto")],
-)
+    ("arch", "kv_cache_dtype", "weights"),
+    [
+        ("llama3", "auto", "int8"), ("llama3", "int8", "int8"), ("llama3", "fp8_e4m3", "int8"),
+        ("qwen2", "auto", "int8"), ("llama3", "auto", "int4"), ("qwen2", "int8", "int4"),
+    ],
+)  # fmt: skip
 def test_one_call_decode_steps_give_the_per_layer_tokens(
-    tiny_model_dir, monkeypatch, arch, kv_cache_dtype
+    tiny_model_dir, monkeypatch, arch, kv_cache_dtype, weights
 ):
     """Three prompts' decode steps in one call each: the per-layer path's greedy tokens, and
     its logprobs to float32 rounding; the prefill step keeps the per-layer path.  Over an
-    8-bit cache the step quantizes the new rows with the per-layer path's store."""
-    llm = _engine(tiny_model_dir(arch)[0], kv_cache_dtype)
+    8-bit cache the step quantizes the new rows with the per-layer path's store; over 4-bit
+    weights both paths take linear_q4.c for these few rows."""
+    llm = _engine(tiny_model_dir(arch)[0], kv_cache_dtype, weights=weights)
     model = _model(llm)
     want_tokens, want_logprobs = _greedy(llm)
     assert model.use_q8_decode_step()

@@ -85,8 +85,10 @@ def test_rows_above_the_kernel_take_the_float_or_dequantized_weight():
 
 
 def test_weight_dtype_flag_is_validated():
-    with pytest.raises(ParameterError, match="--weight-dtype must be one of auto, float, int8"):
-        LoadConfig(weight_dtype="int4")
+    with pytest.raises(
+        ParameterError, match="--weight-dtype must be one of auto, float, int8, int4"
+    ):
+        LoadConfig(weight_dtype="int2")
     with pytest.raises(ParameterError, match="--weight-dtype int8 weights are not sharded"):
         LoadConfig(weight_dtype="int8", tensor_parallel_size=2)
     assert LoadConfig(weight_dtype="auto", tensor_parallel_size=2).weight_dtype == "auto"
@@ -96,7 +98,9 @@ def test_weight_dtype_flag_is_validated():
 
 @needs_kernel
 def test_auto_quantizes_only_a_quantized_checkpoint_in_float32_on_a_cpu():
-    assert q8_plan("auto", CPU, torch.float32, "Q4_1") == Q8Plan(KERNEL_MAX_ROWS, True)
+    assert q8_plan("auto", CPU, torch.float32, "Q4_1") == Q8Plan(KERNEL_MAX_ROWS, True, bits=4)
+    assert q8_plan("auto", CPU, torch.float32, "Q8_0") == Q8Plan(KERNEL_MAX_ROWS, True)
+    assert q8_plan("int4", CPU, torch.float32, "") == Q8Plan(KERNEL_MAX_ROWS, False, bits=4)
     assert q8_plan("auto", CPU, torch.float32, "") is None  # stored as floats
     assert q8_plan("auto", CPU, torch.bfloat16, "Q4_1") is None
     assert q8_plan("auto", torch.device("cuda"), torch.float32, "Q4_1") is None

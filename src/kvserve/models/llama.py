@@ -363,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         self.logits_head = Q8Linear(head, None, plan.kernel_rows, plan.keep_float)
         if not self.config.tie_word_embeddings:
             del self.lm_head
-        quantize_linear_layers(self.layers, plan.kernel_rows, plan.keep_float)
+        quantize_linear_layers(self.layers, plan.kernel_rows, plan.keep_float, plan.bits)
 
     def pack_weights(self) -> None:
         """Every projection, and the LM head, through oneDNN-prepacked weights (see
@@ -391,14 +391,16 @@ class LlamaForCausalLM(nn.Module):
         """The weights' and activations' dtype."""
         return self.embed_tokens.weight.dtype
 
-    def wants_decode_plan(self) -> bool:
+    def wants_decode_plan(self, num_tokens: int = 0) -> bool:
         """Whether `forward` runs a decode-only step's layers in one native call when given the
-        step's DecodeStepPlan: native layers of one shape, and no profiler on (its breakdown
-        needs the per-layer calls' ranges, attention apart from the layers).  The runner asks
-        the backend for a plan only then."""
+        step's DecodeStepPlan: native layers of one shape, or the 8-bit step (q8_decode_step.py)
+        for a step of `num_tokens` decodes it takes (0: not known yet), and no profiler on (its
+        breakdown needs the per-layer calls' ranges, attention apart from the layers).  The
+        runner asks the backend for a plan only then."""
         native = self.native_layers
-        if (native is None or not native.runs_whole_steps) and self.q8_step is None:
-            return False
+        if native is None or not native.runs_whole_steps:
+            if self.q8_step is None or num_tokens > self.q8_step.max_rows:
+                return False
         if any(layer.sliding_window for layer in self.layers):
             return False  # the one-call step attends over every layer's whole context
         return not getattr(torch.autograd.profiler, "_is_profiler_enabled", False)  # torch's

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from kvserve.attention.base import DecodeStepPlan
 from kvserve.models.native_layers import PROFILE_RANGE
+from kvserve.models.q4_linear import Q4Linear
 from kvserve.models.quantized_linear import Q8Linear
 from kvserve.native import ops
 from kvserve.native.structs import Q8Layer
@@ -32,14 +33,16 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 def _describe(layer: nn.Module) -> Q8Layer:
     """The C description of one DecoderLayer (its tensors must outlive it: the layer's own)."""
     qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
+    named = (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down))
+    four = isinstance(qkv, Q4Linear)
     return Q8Layer(
         input_norm=layer.input_layernorm.weight.data_ptr(),
         post_norm=layer.post_attention_layernorm.weight.data_ptr(),
         qkv_bias=_pointer(qkv.bias),
-        **{name: p.codes.data_ptr() for name, p in
-           (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down))},
-        **{f"{name}_scales": p.scales.data_ptr() for name, p in
-           (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down))},
+        **{name: p.codes.data_ptr() for name, p in named},
+        **{f"{name}_scales": p.scales.data_ptr() for name, p in named},
+        **{f"{name}_mins": p.mins.data_ptr() if four else None for name, p in named},
+        weight_bits=4 if four else 8,
         hidden=o.out_features,
         intermediate=gate_up.out_features // 2,
         num_heads=layer.num_heads,
@@ -51,11 +54,12 @@ def _describe(layer: nn.Module) -> Q8Layer:
 
 def _takes(layer: nn.Module) -> bool:
     """A plain Llama layer (no q/k norms, Gemma norms or windows) in float32 whose projections
-    are all 8-bit (Q8Linear), without biases past the QKV projection."""
+    are all 8-bit (Q8Linear) or all 4-bit (Q4Linear), without biases past the QKV
+    projection."""
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     if not getattr(layer, "is_plain", False) or layer.sliding_window:
         return False
-    if not all(isinstance(p, Q8Linear) for p in projections):
+    if not any(all(isinstance(p, kind) for p in projections) for kind in (Q8Linear, Q4Linear)):
         return False
     if any(p.bias is not None for p in projections[1:]):
         return False

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.errors import ParameterError
+from kvserve.models.q4_linear import QBLOCK as Q4_BLOCK
+from kvserve.models.q4_linear import Q4Linear
 from kvserve.native import ops
 
 logger = logging.getLogger("kvserve")
@@ -163,13 +165,18 @@ class Q8Linear(nn.Module):
         return dequantize_q8(self.codes, self.scales, self.in_features)
 
 
-def quantize_linear_layers(model: nn.Module, kernel_rows: int, keep_float: bool) -> int:
-    """Replace every nn.Linear inside `model` by a Q8Linear; the number replaced."""
+def quantize_linear_layers(
+    model: nn.Module, kernel_rows: int, keep_float: bool, bits: int = 8
+) -> int:
+    """Replace every nn.Linear inside `model` by a Q8Linear, or with bits=4 by a Q4Linear
+    (a Q8Linear where its inputs are not whole blocks of 32); the number replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Q8Linear(child.weight, child.bias, kernel_rows, keep_float))
+                four = bits == 4 and child.in_features % Q4_BLOCK == 0
+                kind = Q4Linear if four else Q8Linear
+                setattr(parent, name, kind(child.weight, child.bias, kernel_rows, keep_float))
                 replaced += 1
     return replaced
 
@@ -182,27 +189,35 @@ class Q8Plan:
 
     kernel_rows: int
     keep_float: bool
+    # The layers' projections as 8-bit blocks (Q8Linear) or 4-bit ones (Q4Linear); the LM
+    # head is 8-bit either way.
+    bits: int = 8
 
 
 def q8_plan(
     weight_dtype: str, device: torch.device, dtype: torch.dtype, stored_weight_type: str
 ) -> Q8Plan | None:
     """--weight-dtype as this model and machine resolve it; None: float weights.  auto takes
-    int8 copies only where the checkpoint's own weights are quantized (a GGUF's Q4_1, Q8_0...:
-    an 8-bit rounding of those moves the model far less than the file's own 4-bit one did),
-    on a CPU computing in float32, with the kernel built."""
+    quantized copies only where the checkpoint's own weights are quantized, on a CPU computing
+    in float32, with the kernel built: a Q4_1 GGUF's own 4-bit blocks, else int8 copies (an
+    8-bit rounding of a Q8_0 or 4-bit file's values moves the model far less than the file's
+    own quantization did)."""
     if weight_dtype == "float":
         return None
-    if weight_dtype == "int8":
+    if weight_dtype in ("int8", "int4"):
         if device.type != "cpu":
             raise ParameterError(
-                "--weight-dtype", f"int8 weights run on a CPU only, not {device}; use "
-                "--weight-dtype float (or auto)",
+                "--weight-dtype", f"{weight_dtype} weights run on a CPU only, not {device}; "
+                "use --weight-dtype float (or auto)",
             )  # fmt: skip
         if not ops.available():
-            logger.warning("--weight-dtype int8 without the native library: every step "
-                           "dequantizes its weights, slowly")  # fmt: skip
-        return Q8Plan(KERNEL_MAX_ROWS, keep_float=False)
+            logger.warning("--weight-dtype %s without the native library: every step "
+                           "dequantizes its weights, slowly", weight_dtype)  # fmt: skip
+        return Q8Plan(KERNEL_MAX_ROWS, keep_float=False, bits=4 if weight_dtype == "int4" else 8)
     if device.type == "cpu" and dtype == torch.float32 and stored_weight_type and ops.available():
-        return Q8Plan(KERNEL_MAX_ROWS, keep_float=True)
+        # A Q4_1 file's projections come back as their own 4-bit blocks (q4_linear.py), read
+        # in 0.625 bytes a weight instead of 1.125 (docs/decisions/int8-weights.md, int4)
+        return Q8Plan(
+            KERNEL_MAX_ROWS, keep_float=True, bits=4 if stored_weight_type == "Q4_1" else 8
+        )
     return None

@@ -49,6 +49,7 @@ SOURCES = tuple(
         "linear/linear_amx.c",
         "linear/linear_dot.c",
         "linear/linear_q8.c",
+        "linear/linear_q4.c",
         "layer/decode_layer.c",
         "layer/decode_step_q8.c",
         "layer/silu_mul.c",

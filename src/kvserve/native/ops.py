@@ -65,6 +65,7 @@ DECLARATIONS: dict[str, tuple[type, list[type]]] = {
     "linear_amx_set_stealing": (_I32, [_I32]),
     "linear_q8_f32": (_I32, [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32]),
     "dequantize_q8_f32": (_I32, [_P, _P, _P, _I64, _I64, _I32]),
+    "linear_q4_f32": (_I32, [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32]),
     # layer/ (decode_pre/between/post_attention, decode_step_layers: builds with a projection
     # kernel only, as decode_layer_available says)
     "decode_layer_available": (_I32, []),
@@ -409,6 +410,35 @@ class Kernels:
         return not self.lib.linear_q8_f32(
             x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), _ptr(bias),
             out.data_ptr(), out.stride(0), m, n, k, torch.get_num_threads(),
+        )  # fmt: skip
+
+    def linear_q4(
+        self,
+        x: torch.Tensor,  # [M, K] float32, rows contiguous; K a multiple of 32, M <= 64
+        codes: torch.Tensor,  # [N, K / 2] uint8, contiguous
+        scales: torch.Tensor,  # [N, K / 32] float32, contiguous
+        mins: torch.Tensor,  # [N, K / 32] float32, contiguous
+        bias: torch.Tensor | None,  # [N] float32
+        out: torch.Tensor,  # [M, N] float32, rows contiguous
+    ) -> bool:
+        """csrc/linear/linear_q4.c: x W^T + b with W = scale x code + min per block of 32,
+        x rounded to 8-bit blocks (integer dot products); False where it declines its
+        arguments (K not whole blocks, over 64 rows)."""
+        (m, k), n = x.shape, codes.shape[0]
+        if not (
+            x.dim() == out.dim() == 2 and x.dtype is out.dtype is _F32
+            and x.stride(1) == out.stride(1) == 1 and out.shape == (m, n) and k % 2 == 0
+            and _is(codes, torch.uint8, (n, k // 2))
+            and all(_is(t, _F32, (n, k // 32)) for t in (scales, mins))
+            and (bias is None or _is(bias, _F32, (n,)))
+        ):  # fmt: skip
+            _refuse("linear_q4_f32", "float32 x [M, K] and out [M, N] with contiguous rows, "
+                    "contiguous uint8 codes [N, K / 2], float32 scales and mins [N, K / 32] "
+                    "and bias [N]", x=x, codes=codes, scales=scales, mins=mins, bias=bias,
+                    out=out)  # fmt: skip
+        return not self.lib.linear_q4_f32(
+            x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+            _ptr(bias), out.data_ptr(), out.stride(0), m, n, k, torch.get_num_threads(),
         )  # fmt: skip
 
     def dequantize_q8(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -130,8 +130,8 @@ class DecodeStepArgs(ctypes.Structure):
 
 
 class Q8Layer(ctypes.Structure):
-    """csrc/layer/layer.h's q8_layer: one float32 layer's norms and 8-bit weights (codes and
-    scales, models/quantized_linear.py's layout) and shape."""
+    """csrc/layer/layer.h's q8_layer: one float32 layer's norms and 8- or 4-bit weights
+    (models/quantized_linear.py's and q4_linear.py's layouts) and shape."""
 
     _fields_ = [
         *(
@@ -148,6 +148,10 @@ class Q8Layer(ctypes.Structure):
                 "o_scales",
                 "gate_up_scales",
                 "down_scales",
+                "qkv_mins",
+                "o_mins",
+                "gate_up_mins",
+                "down_mins",
             )
         ),  # fmt: skip
         ("hidden", _I64),
@@ -155,6 +159,7 @@ class Q8Layer(ctypes.Structure):
         ("num_heads", _I32),
         ("num_kv_heads", _I32),
         ("head_dim", _I32),
+        ("weight_bits", _I32),
         ("eps", _F32),
     ]
 

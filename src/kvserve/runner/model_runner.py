@@ -298,7 +298,7 @@ class ModelRunner:
     def _decode_plan(self, metadata: AttentionMetadata) -> DecodeStepPlan | None:
         """A decode-only step's attention as data, where the model runs such a step's layers
         in one native call and the backend can plan it (attention/base.py); else None."""
-        if metadata.prefills or not self.model.wants_decode_plan():
+        if metadata.prefills or not self.model.wants_decode_plan(metadata.num_decode_tokens):
             return None
         config = self.model.config
         return self.backend.plan_decode_step(

@@ -11,8 +11,9 @@
  * element-wise kernels between them): about half of a ~24 ms step whose weights take ~8 ms to
  * read (docs/decisions/q8-decode-step.md).  Here that work is a few loops over a few rows.
  *
- * The projections are linear_q8.c's (float32 activations: the reference's values up to the
- * order of sums).  The element-wise arithmetic is the eager layers' in float32
+ * The projections are linear_q8.c's over 8-bit weights (float32 activations: the reference's
+ * values up to the order of sums) or linear_q4.c's over 4-bit ones (activations rounded to
+ * 8-bit blocks, as its per-layer calls round them).  The element-wise arithmetic is the eager layers' in float32
  * (models/llama.py: RMSNorm as x * rsqrt(mean(x^2) + eps) times the weight, RoPE by halves,
  * silu(g) * u), in this file's own order of sums: the values agree with the per-layer path to
  * float32 rounding, not bit for bit (tests/model/test_q8_decode_step.py).
@@ -30,9 +31,12 @@
 #include "layer/layer.h"
 #include "linear/linear.h"
 
-/* out [m, n] = x [m, k] W^T (+ bias) over one 8-bit weight. */
-static int project(const q8_step_args *a, const float *x, int64_t k, const int8_t *codes,
-                   const float *scales, const float *bias, float *out, int64_t n) {
+/* out [m, n] = x [m, k] W^T (+ bias) over one of layer l's weights. */
+static int project(const q8_step_args *a, const q8_layer *l, const float *x, int64_t k,
+                   const void *codes, const float *scales, const float *mins, const float *bias,
+                   float *out, int64_t n) {
+    if (l->weight_bits == 4)
+        return linear_q4_f32(x, k, codes, scales, mins, bias, out, n, a->m, n, k, a->threads);
     return linear_q8_f32(x, k, codes, scales, bias, out, n, a->m, n, k, a->threads);
 }
 
@@ -93,7 +97,8 @@ static int pre_attention(const q8_step_args *a, const q8_layer *l, const step_bu
     for (int64_t r = 0; r < a->m; r++)
         rms_norm_row(a->hidden + r * l->hidden, l->input_norm, b->normed + r * l->hidden,
                      l->hidden, l->eps);
-    if (project(a, b->normed, l->hidden, l->qkv, l->qkv_scales, l->qkv_bias, b->qkv, width))
+    if (project(a, l, b->normed, l->hidden, l->qkv, l->qkv_scales, l->qkv_mins, l->qkv_bias,
+                b->qkv, width))
         return 1;
     for (int64_t r = 0; r < a->m; r++) {
         const float *row = b->qkv + r * width, *c = a->cos + r * (dim / 2), *s = a->sin + r * (dim / 2);
@@ -137,20 +142,22 @@ static int attend(const q8_step_args *a, const q8_layer *l, int i, const step_bu
 static int post_attention(const q8_step_args *a, const q8_layer *l, const step_buffers *b) {
     const int64_t h = l->hidden, inter = l->intermediate;
     const int64_t q_size = (int64_t)l->num_heads * l->head_dim;
-    if (project(a, b->attn, q_size, l->o, l->o_scales, NULL, b->o, h)) return 1;
+    if (project(a, l, b->attn, q_size, l->o, l->o_scales, l->o_mins, NULL, b->o, h)) return 1;
     for (int64_t r = 0; r < a->m; r++) {
         float *x = a->hidden + r * h;
         for (int64_t c = 0; c < h; c++) x[c] += b->o[r * h + c];
         rms_norm_row(x, l->post_norm, b->normed + r * h, h, l->eps);
     }
-    if (project(a, b->normed, h, l->gate_up, l->gate_up_scales, NULL, b->gate_up, 2 * inter))
+    if (project(a, l, b->normed, h, l->gate_up, l->gate_up_scales, l->gate_up_mins, NULL,
+                b->gate_up, 2 * inter))
         return 1;
     for (int64_t r = 0; r < a->m; r++) {
         const float *gate = b->gate_up + r * 2 * inter, *up = gate + inter;
         for (int64_t c = 0; c < inter; c++)
             b->act[r * inter + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
     }
-    if (project(a, b->act, inter, l->down, l->down_scales, NULL, b->down, h)) return 1;
+    if (project(a, l, b->act, inter, l->down, l->down_scales, l->down_mins, NULL, b->down, h))
+        return 1;
     for (int64_t i = 0; i < a->m * h; i++) a->hidden[i] += b->down[i];
     return 0;
 }

@@ -33,13 +33,15 @@ typedef struct {
     int threads;
 } decode_step_args;
 
-/* One layer of a float32 model over 8-bit weights (linear_q8.c's codes and scales). */
+/* One layer of a float32 model over 8-bit weights (linear_q8.c's int8 codes and scales) or
+ * 4-bit ones (linear_q4.c's nibbles, scales and mins), as weight_bits says. */
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias: NULL where none */
-    const int8_t *qkv, *o, *gate_up, *down;
+    const void *qkv, *o, *gate_up, *down;           /* the codes */
     const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const float *qkv_mins, *o_mins, *gate_up_mins, *down_mins; /* 4-bit weights, else NULL */
     int64_t hidden, intermediate;
-    int32_t num_heads, num_kv_heads, head_dim;
+    int32_t num_heads, num_kv_heads, head_dim, weight_bits;
     float eps;
 } q8_layer;
 

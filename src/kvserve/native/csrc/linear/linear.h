@@ -34,6 +34,11 @@ int linear_packed_block_cols(void);
 int linear_q8_f32(const float *x, int64_t x_stride, const int8_t *codes, const float *scales,
                   const float *bias, float *out, int64_t out_stride, int64_t m, int64_t n,
                   int64_t k, int num_threads);
+/* linear_q4.c: float32 x (rounded to 8-bit blocks) times a 4-bit Q4_1-style weight; K a
+ * multiple of 32, up to 64 rows. */
+int linear_q4_f32(const float *x, int64_t x_stride, const uint8_t *codes, const float *scales,
+                  const float *mins, const float *bias, float *out, int64_t out_stride, int64_t m,
+                  int64_t n, int64_t k, int num_threads);
 int dequantize_q8_f32(const int8_t *codes, const float *scales, float *out, int64_t n,
                       int64_t k, int num_threads);
 #endif

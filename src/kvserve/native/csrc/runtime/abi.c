@@ -48,8 +48,9 @@ static const field STEP[] = {
 #define QL(name) FIELD(q8_layer, name)
 static const field Q8_LAYER[] = {
     QL(input_norm), QL(post_norm), QL(qkv_bias), QL(qkv), QL(o), QL(gate_up), QL(down),
-    QL(qkv_scales), QL(o_scales), QL(gate_up_scales), QL(down_scales), QL(hidden),
-    QL(intermediate), QL(num_heads), QL(num_kv_heads), QL(head_dim), QL(eps), {NULL, 0},
+    QL(qkv_scales), QL(o_scales), QL(gate_up_scales), QL(down_scales), QL(qkv_mins),
+    QL(o_mins), QL(gate_up_mins), QL(down_mins), QL(hidden), QL(intermediate), QL(num_heads),
+    QL(num_kv_heads), QL(head_dim), QL(weight_bits), QL(eps), {NULL, 0},
 };
 #define QS(name) FIELD(q8_step_args, name)
 static const field Q8_STEP[] = {
