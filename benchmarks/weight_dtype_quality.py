@@ -30,6 +30,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--weight-dtypes", default="float,int8", help="Reference first.")
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument(
+        "--tokens-per-step", type=int, default=perplexity.TOKENS_PER_STEP,
+        help="Rows of a perplexity step (windows side by side). With --chunk-size 8 and 8, "
+        "every step takes the decode kernels (up to 8 rows), so that int4's rounding of the "
+        "activations is measured; larger steps multiply the float weights.",
+    )  # fmt: skip
     parser.add_argument("--max-eval-tokens", type=int, default=8192)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -40,6 +46,7 @@ def parse_args() -> argparse.Namespace:
 
 def evaluate(args: argparse.Namespace, weight_dtype: str) -> tuple[float, int, list[list[int]]]:
     """(perplexity, tokens predicted, greedy continuations) of one weight format."""
+    perplexity.TOKENS_PER_STEP = args.tokens_per_step  # windows a step: its row count
     config = EngineConfig(load=LoadConfig(model=args.model, dtype=args.dtype))
     loaded = load_model(config, weight_dtype)
     token_ids = loaded.tokenizer.encode(open(args.text, encoding="utf-8").read())
