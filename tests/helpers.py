@@ -62,3 +62,17 @@ def add_gguf_shape(writer, cfg) -> None:  # noqa: ANN001 - a GGUFWriter, a trans
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def count_step_rows(monkeypatch, cls) -> list[int]:
+    """The row counts (hidden's) of the steps that `cls.run_step` serves from now on: a
+    one-call decode path's (NativeLayers, Q8DecodeStep)."""
+    rows = []
+    original = cls.run_step
+
+    def counted(self, layers, hidden, *args):
+        rows.append(hidden.shape[0])
+        return original(self, layers, hidden, *args)
+
+    monkeypatch.setattr(cls, "run_step", counted)
+    return rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_step_rows
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama import compiled_kernels
@@ -119,7 +120,7 @@ def test_the_engine_runs_every_step_natively_with_the_compiled_tokens(model_dirs
         return [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs])
                 for o in outputs]  # fmt: skip
 
-    whole_steps = _count_whole_steps(monkeypatch)
+    whole_steps = count_step_rows(monkeypatch, NativeLayers)
     native = run()
     assert set(calls) == {384}  # the 4 prompts (339 tokens on 384 rows) in one step
     assert whole_steps == [16] * 11  # then the decodes, all layers in one call each
@@ -138,19 +139,6 @@ def _greedy_run(llm: LLM) -> list[tuple[list[int], list[float]]]:
             for o in llm.generate(PROMPTS, params)]  # fmt: skip
 
 
-def _count_whole_steps(monkeypatch) -> list[int]:
-    """The row counts of the steps that run_step serves from now on."""
-    rows = []
-    original = NativeLayers.run_step
-
-    def counted(self, layers, hidden, *args):
-        rows.append(hidden.shape[0])
-        return original(self, layers, hidden, *args)
-
-    monkeypatch.setattr(NativeLayers, "run_step", counted)
-    return rows
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
 def test_decode_steps_in_one_call_give_the_per_layer_tokens(
     model_dirs, monkeypatch, kv_cache_dtype
@@ -163,7 +151,7 @@ def test_decode_steps_in_one_call_give_the_per_layer_tokens(
     llm = _served_engine(model_dirs["llama"], kv_cache_dtype)
     native = llm.engine.executor.driver_worker.model.native_layers
     assert native.runs_whole_steps
-    whole_steps = _count_whole_steps(monkeypatch)
+    whole_steps = count_step_rows(monkeypatch, NativeLayers)
     whole = _greedy_run(llm)
     assert whole_steps == [16] * 11  # the 3 prompts' 11 decode steps, not their prefill step
     whole_steps.clear()
@@ -339,7 +327,7 @@ def test_a_running_profiler_keeps_the_per_layer_calls(model_dirs, monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
     llm = _served_engine(model_dirs["llama"])
-    whole_steps = _count_whole_steps(monkeypatch)
+    whole_steps = count_step_rows(monkeypatch, NativeLayers)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(PROMPTS[:1], params)

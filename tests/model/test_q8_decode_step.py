@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_step_rows
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.q8_decode_step import Q8DecodeStep
@@ -41,19 +42,6 @@ def _greedy(llm: LLM, prompts=PROMPTS, max_tokens: int = 12):
     return tokens, logprobs
 
 
-def _count_steps(monkeypatch) -> list[int]:
-    """The row counts of the steps that Q8DecodeStep.run_step serves from now on."""
-    rows = []
-    original = Q8DecodeStep.run_step
-
-    def counted(self, layers, hidden, *args):
-        rows.append(hidden.shape[0])
-        return original(self, layers, hidden, *args)
-
-    monkeypatch.setattr(Q8DecodeStep, "run_step", counted)
-    return rows
-
-
 @pytest.mark.parametrize(
     ("arch", "kv_cache_dtype", "weights"),
     [
@@ -72,7 +60,7 @@ def test_one_call_decode_steps_give_the_per_layer_tokens(
     model = _model(llm)
     want_tokens, want_logprobs = _greedy(llm)
     assert model.use_q8_decode_step()
-    steps = _count_steps(monkeypatch)
+    steps = count_step_rows(monkeypatch, Q8DecodeStep)
     tokens, logprobs = _greedy(llm)
     assert steps == [3] * 11  # the 11 decode steps, not the prefill step
     assert tokens == want_tokens
@@ -89,7 +77,7 @@ def test_steps_of_more_rows_than_the_kernel_takes_keep_the_per_layer_path(
     prompts = [[(i * 31 + j) % 500 + 7 for i in range(5 + j)] for j in range(10)]
     want, _ = _greedy(llm, prompts, max_tokens=4)
     assert _model(llm).use_q8_decode_step()
-    steps = _count_steps(monkeypatch)
+    steps = count_step_rows(monkeypatch, Q8DecodeStep)
     assert _greedy(llm, prompts, max_tokens=4)[0] == want
     assert steps == []
     assert _greedy(llm, prompts[:8], max_tokens=4)[0] == want[:8]

@@ -57,12 +57,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *codes, float *scales
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "common/hsum.h"
 
 /* A block's 32 nibbles (16 bytes at p) as 32 unsigned bytes in input order. */
 static inline __m256i nibbles(const uint8_t *p) {

@@ -43,12 +43,7 @@ static void column_tail(const float *x, int64_t x_stride, const int8_t *codes, f
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "common/hsum.h"
 
 /* Eight codes at p, dequantized: sign-extended, converted, times the block's scale. */
 static inline __m256 load8(const int8_t *p, __m256 scale) {
