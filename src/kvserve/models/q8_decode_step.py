@@ -1,4 +1,4 @@
-"""A float32 model's decode steps over 8-bit weights in one C call
+"""A float32 model's decode steps over 8-bit (or 4-bit: q4_linear.py) weights in one C call
 (native/csrc/layer/decode_step_q8.c): every layer, attention included.
 
 A one-row decode step of the embedded model through the compiled layers made 121 projection
@@ -6,7 +6,7 @@ calls and 30 attention calls from Python, each ~20-40 us above its kernel: about
 ~24 ms step on the AMD EPYC (AVX2, so float32), whose 8-bit weights take ~8 ms to read.  This
 is the float32 counterpart of NativeLayers.run_step (bfloat16 models on AVX512-BF16 CPUs),
 for decode-only steps of up to the weights' kernel rows (8), where the projections take the
-8-bit kernel anyway; every other step keeps the per-layer path.  Its values agree with the
+8- or 4-bit kernel anyway; every other step keeps the per-layer path.  Its values agree with the
 per-layer path's to float32 rounding (docs/decisions/q8-decode-step.md).
 """
 
