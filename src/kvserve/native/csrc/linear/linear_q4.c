@@ -142,6 +142,17 @@ static void four_columns_one_row(const int8_t *xq, const float *xs, const float 
     for (int c = 0; c < FOUR_COLUMNS; c++) sums[c] += minsum[c];
 }
 #define HAVE_FOUR_COLUMNS 1
+
+/* Ask for `bytes` from p into the caches, a line at a time. */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+/* How far ahead (in weight rows) the one-row loop asks for the rows it reads next: the codes,
+ * scales and minima are three streams a thread, and a projection of the embedded model only
+ * ~100-800 KB, too little for the hardware prefetchers to ramp up.  Eight rows ahead took
+ * the 120 projections of a one-row step from 5.40-5.55 to 4.79-4.86 ms (medians of 12,
+ * alternating with 0 in one process, three runs; 4, 12, 16 and 32 rows measured no better). */
+#define PREFETCH_COLUMNS 8
 #else
 /* Portable: the same integer blocks in plain C. */
 static void column_rows(const int8_t *xq, const float *xs, const float *xsum, int64_t blocks,
@@ -188,6 +199,12 @@ int linear_q4_f32(const float *x, int64_t x_stride, const uint8_t *codes, const 
         if (m == 1)
             for (; c + FOUR_COLUMNS <= last; c += FOUR_COLUMNS) {
                 float sums[FOUR_COLUMNS];
+                if (c + PREFETCH_COLUMNS + FOUR_COLUMNS <= last) {
+                    const int64_t ahead = c + PREFETCH_COLUMNS;
+                    prefetch_span(codes + ahead * (k / 2), FOUR_COLUMNS * (k / 2));
+                    prefetch_span(scales + ahead * blocks, FOUR_COLUMNS * blocks * 4);
+                    prefetch_span(mins + ahead * blocks, FOUR_COLUMNS * blocks * 4);
+                }
                 four_columns_one_row(xq, xs, xsum, blocks, codes + c * (k / 2), scales + c * blocks,
                                      mins + c * blocks, k / 2, blocks, sums);
                 for (int j = 0; j < FOUR_COLUMNS; j++) out[c + j] = sums[j] + (bias ? bias[c + j] : 0.0f);
