@@ -13,9 +13,9 @@
  *
  * The projections are linear_q8.c's over 8-bit weights (float32 activations: the reference's
  * values up to the order of sums) or linear_q4.c's over 4-bit ones (activations rounded to
- * 8-bit blocks, as its per-layer calls round them).  The element-wise arithmetic is the eager layers' in float32
- * (models/llama.py: RMSNorm as x * rsqrt(mean(x^2) + eps) times the weight, RoPE by halves,
- * silu(g) * u), in this file's own order of sums: the values agree with the per-layer path to
+ * 8-bit blocks, as its per-layer calls round them).  The element-wise arithmetic is the eager
+ * layers' in float32 (models/llama.py: RMSNorm as x * rsqrt(mean(x^2) + eps) times the
+ * weight, RoPE by halves, silu(g) * u), in this file's own order of sums: the values agree with the per-layer path to
  * float32 rounding, not bit for bit (tests/model/test_q8_decode_step.py).
  *
  * Layouts (float32, contiguous rows): hidden [m, H]; cos, sin [m, D / 2]; the work buffer
@@ -101,7 +101,8 @@ static int pre_attention(const q8_step_args *a, const q8_layer *l, const step_bu
                 b->qkv, width))
         return 1;
     for (int64_t r = 0; r < a->m; r++) {
-        const float *row = b->qkv + r * width, *c = a->cos + r * (dim / 2), *s = a->sin + r * (dim / 2);
+        const float *row = b->qkv + r * width;
+        const float *c = a->cos + r * (dim / 2), *s = a->sin + r * (dim / 2);
         rotate_heads(row, b->q + r * hq * dim, c, s, hq, dim);
         rotate_heads(row + (int64_t)hq * dim, b->k + r * hkv * dim, c, s, hkv, dim);
     }

@@ -205,9 +205,10 @@ int linear_q4_f32(const float *x, int64_t x_stride, const uint8_t *codes, const 
                     prefetch_span(scales + ahead * blocks, FOUR_COLUMNS * blocks * 4);
                     prefetch_span(mins + ahead * blocks, FOUR_COLUMNS * blocks * 4);
                 }
-                four_columns_one_row(xq, xs, xsum, blocks, codes + c * (k / 2), scales + c * blocks,
-                                     mins + c * blocks, k / 2, blocks, sums);
-                for (int j = 0; j < FOUR_COLUMNS; j++) out[c + j] = sums[j] + (bias ? bias[c + j] : 0.0f);
+                four_columns_one_row(xq, xs, xsum, blocks, codes + c * (k / 2),
+                                     scales + c * blocks, mins + c * blocks, k / 2, blocks, sums);
+                for (int j = 0; j < FOUR_COLUMNS; j++)
+                    out[c + j] = sums[j] + (bias ? bias[c + j] : 0.0f);
             }
 #endif
         for (; c < last; c++) {
