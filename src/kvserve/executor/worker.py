@@ -78,7 +78,7 @@ def build_model(
     if shard.world_size == 1:
         q8 = q8_plan(weight_dtype, device, dtype, checkpoint.config.stored_weight_type)
         if q8 is not None:
-            logger.info("int8 weights for steps of up to %s rows%s", q8.kernel_rows,
+            logger.info("int%d weights for steps of up to %s rows%s", q8.bits, q8.kernel_rows,
                         " (float weights kept above)" if q8.keep_float else "")  # fmt: skip
         return model_cls.from_weights(checkpoint.config, checkpoint.weights, dtype, device, q8)
     return build_sharded_model(

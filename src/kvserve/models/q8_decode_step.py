@@ -80,7 +80,7 @@ class Q8DecodeStep:
     @classmethod
     def build(cls, layers: Sequence[nn.Module]) -> Q8DecodeStep | None:
         """For these layers, or None where the C step cannot run them (no native library,
-        layers not 8-bit float32 ones of one shape)."""
+        layers not 8- or 4-bit float32 ones of one shape)."""
         if not layers or not all(_takes(layer) for layer in layers):
             return None
         shapes = {(x.o_proj.out_features, x.gate_up_proj.out_features, x.num_heads,

@@ -216,7 +216,7 @@ def q8_plan(
         return Q8Plan(KERNEL_MAX_ROWS, keep_float=False, bits=4 if weight_dtype == "int4" else 8)
     if device.type == "cpu" and dtype == torch.float32 and stored_weight_type and ops.available():
         # A Q4_1 file's projections come back as their own 4-bit blocks (q4_linear.py), read
-        # in 0.625 bytes a weight instead of 1.125 (docs/decisions/int8-weights.md, int4)
+        # in 0.625 bytes a weight instead of 1.125 (docs/decisions/int4-weights.md)
         return Q8Plan(
             KERNEL_MAX_ROWS, keep_float=True, bits=4 if stored_weight_type == "Q4_1" else 8
         )
