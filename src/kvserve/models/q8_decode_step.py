@@ -26,10 +26,6 @@ from kvserve.native import ops
 from kvserve.native.structs import Q8Layer
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 def _describe(layer: nn.Module) -> Q8Layer:
     """The C description of one DecoderLayer (its tensors must outlive it: the layer's own)."""
     qkv, o, gate_up, down = layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
@@ -38,7 +34,7 @@ def _describe(layer: nn.Module) -> Q8Layer:
     return Q8Layer(
         input_norm=layer.input_layernorm.weight.data_ptr(),
         post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-        qkv_bias=_pointer(qkv.bias),
+        qkv_bias=None if qkv.bias is None else qkv.bias.data_ptr(),
         **{name: p.codes.data_ptr() for name, p in named},
         **{f"{name}_scales": p.scales.data_ptr() for name, p in named},
         **{f"{name}_mins": p.mins.data_ptr() if four else None for name, p in named},

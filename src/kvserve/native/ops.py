@@ -110,6 +110,36 @@ def _is(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> b
     return t is not None and t.dtype is dtype and t.shape == shape and t.is_contiguous()
 
 
+def _uniform_caches(caches: Sequence[KVTensors], cache_shape: tuple[int, ...]) -> bool:
+    """Every layer's cache stored as the first's (dtype and kv dtype), contiguous, of rows
+    `cache_shape` ([block_size, kv_heads, head_dim]): what a one-call decode step reads."""
+    key, kv_dtype = caches[0].key, caches[0].kv_dtype
+    return all(
+        c.kv_dtype == kv_dtype and c.key.dtype == c.value.dtype == key.dtype
+        and c.key.shape[1:] == c.value.shape[1:] == cache_shape
+        and c.key.is_contiguous() and c.value.is_contiguous()
+        for c in caches
+    )  # fmt: skip
+
+
+def _step_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor, m: int
+) -> bool:
+    """A decode step's int64 block tables [m, n], lengths [m] and slots [m], contiguous."""
+    return (
+        block_tables.dim() == 2 and _is(block_tables, _INT64, (m, block_tables.shape[1]))
+        and _is(seq_lens, _INT64, (m,)) and _is(slots, _INT64, (m,))
+    )  # fmt: skip
+
+
+def _cache_pointers(caches: Sequence[KVTensors]) -> ctypes.Array[ctypes.c_void_p]:
+    """Each layer's key, value, key scales and value scales addresses, in that order (NULL
+    for no scales): a one-call decode step's `caches` argument (keep it alive through the
+    call)."""
+    tensors = [t for c in caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
+    return (ctypes.c_void_p * len(tensors))(*map(_ptr, tensors))
+
+
 def _rows(t: torch.Tensor) -> bool:
     """[T, heads, dim] with each token's heads x dim values contiguous."""
     strides = t.stride()
@@ -605,11 +635,8 @@ class Kernels:
         prefix_blocks = 0 if prefix_table is None else prefix_table.shape[0]
         if not (
             len(caches) == len(layers) and kind in (Kind.BF16, Kind.I8, Kind.E4M3, Kind.E5M2)
-            and all(c.kv_dtype == kv_dtype and c.key.dtype == c.value.dtype == key.dtype
-                    and c.key.shape[1:] == c.value.shape[1:] == cache_shape
-                    and c.key.is_contiguous() and c.value.is_contiguous() for c in caches)
-            and block_tables.dim() == 2 and _is(block_tables, _INT64, (m, block_tables.shape[1]))
-            and _is(seq_lens, _INT64, (m,)) and _is(slots, _INT64, (m,))
+            and _uniform_caches(caches, cache_shape)
+            and _step_tables(block_tables, seq_lens, slots, m)
             and (prefix_table is None or (
                 kind == Kind.BF16 and _is(prefix_table, _INT64, (prefix_blocks,))
                 and _is(prior_out, _F32, (m, *q.shape[1:]))
@@ -621,8 +648,7 @@ class Kernels:
                     block_tables=block_tables, seq_lens=seq_lens, slots=slots,
                     prefix_table=prefix_table, prior_out=prior_out,
                     prior_lse=prior_lse)  # fmt: skip
-        pointers = [_ptr(t) for c in caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
-        cache_array = (ctypes.c_void_p * len(pointers))(*pointers)  # alive through the call
+        cache_array = _cache_pointers(caches)  # alive through the call
         work = self._work(rows, first)
         args = DecodeStepArgs(
             layers=ctypes.addressof(layers), caches=ctypes.addressof(cache_array),
@@ -665,19 +691,15 @@ class Kernels:
             and _is(hidden, _F32, (m, first.hidden))
             and all(_is(t, _F32, t.shape) and t.numel() == m * (first.head_dim // 2)
                     for t in (cos, sin))
-            and all(c.kv_dtype == kv_dtype and c.key.dtype == c.value.dtype == key.dtype
-                    and c.key.shape[1:] == c.value.shape[1:] == cache_shape
-                    and c.key.is_contiguous() and c.value.is_contiguous() for c in caches)
-            and block_tables.dim() == 2 and _is(block_tables, _INT64, (m, block_tables.shape[1]))
-            and _is(seq_lens, _INT64, (m,)) and _is(slots, _INT64, (m,))
+            and _uniform_caches(caches, cache_shape)
+            and _step_tables(block_tables, seq_lens, slots, m)
         ):  # fmt: skip
             _refuse("decode_step_q8", f"contiguous float32 hidden [m, {first.hidden}], cos and "
                     f"sin [m, {first.head_dim // 2}]; a contiguous float32 or 8-bit cache a "
                     f"layer, [blocks, {cache_shape}]; int64 tables [m, n], lengths and slots [m]",
                     hidden=hidden, cos=cos, key=key, block_tables=block_tables,
                     seq_lens=seq_lens, slots=slots)  # fmt: skip
-        pointers = [_ptr(t) for c in caches for t in (c.key, c.value, c.key_scale, c.value_scale)]
-        cache_array = (ctypes.c_void_p * len(pointers))(*pointers)  # alive through the call
+        cache_array = _cache_pointers(caches)  # alive through the call
         work = torch.empty(self.lib.q8_step_work_floats(ctypes.byref(first), m), dtype=_F32)
         lut = fp8_lookup_table(kind) if kind in FP8_DTYPE else None
         args = Q8StepArgs(
