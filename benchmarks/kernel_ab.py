@@ -10,11 +10,12 @@ them).
     .venv/bin/python benchmarks/kernel_ab.py prefill --queries 1024 --keys 1024
 
 projections: the projection kernel (csrc/linear/linear_amx.c on AMX, linear_dot.c on
-AVX512-BF16 without it) over the embedded model's four projection shapes, 30 layers of
-random weights, --rows rows.  decode: the paged decode kernel at --batch x --context tokens,
-sequences on consecutive blocks, cycling 30 layer caches (so that a layer's K/V has left the
-caches when it is read again).  prefill: the bf16 prefill kernel, --queries over --keys keys
-of one sequence (causal with --causal).  Prints the median and minimum of --rounds rounds.
+AVX512-BF16 without it) over the embedded model's four projection shapes, 30 layers of random
+weights, --rows rows. decode: the paged decode kernel at --batch x --context tokens, sequences
+on consecutive blocks, --kv-dtype rows (float32 queries for 8- and 4-bit ones), cycling 30
+layer caches (so that a layer's K/V has left the caches when it is read again). prefill: the
+bf16 prefill kernel, --queries over --keys keys of one sequence (causal with --causal). Prints
+the median and minimum of --rounds rounds.
 """
 
 from __future__ import annotations
@@ -90,14 +91,17 @@ def decode(kernels: ops.Kernels, args: argparse.Namespace) -> Callable[[], None]
     backend = CpuPagedBackend()
     backend._kernels = kernels
     per_seq = -(-args.context // 16)
-    spec = kv_cache_spec(LAYERS, 3, 64, "auto", "bfloat16", 16)
+    spec = kv_cache_spec(LAYERS, 3, 64, args.kv_dtype, "bfloat16", 16)
     caches = allocate_kv_caches(spec, args.batch * per_seq, torch.device("cpu"))
-    for cache in caches:
-        cache.key.normal_(), cache.value.normal_()
+    slots = torch.arange(args.batch * per_seq * 16)
+    for cache in caches:  # random rows, through the dtype's own write path
+        cache.write(slots, torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64))
     tables = torch.arange(args.batch * per_seq).view(args.batch, per_seq)
     lens = torch.full((args.batch,), args.context)
     metadata = AttentionMetadata(torch.zeros(0, dtype=torch.long), args.batch, tables, lens, ())
-    query = torch.randn(args.batch, 9, 64).to(torch.bfloat16)
+    # bf16 queries for a bf16 cache (a bf16 model's), float32 ones for 8- and 4-bit caches
+    query_dtype = torch.bfloat16 if args.kv_dtype in ("auto", "bfloat16") else torch.float32
+    query = torch.randn(args.batch, 9, 64).to(query_dtype)
 
     def run() -> None:
         for cache in caches:
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1024)
     parser.add_argument("--keys", type=int, default=1024)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="decode: the cache's dtype")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     setup = {"projections": projections, "decode": decode, "prefill": prefill}[args.what]

@@ -9,7 +9,9 @@ The caches are filled with random rows through the real quantize-on-write path (
 costs does not depend on the values), so no 65,536-token prefill is needed.  The dtypes are
 timed in turns, round after round, in one process; each gets its best round.  Read the
 ratios against bfloat16 (a 16-bit cache under the float32 model, as --kv-cache-dtype bfloat16
-serves it on a CPU without bf16 arithmetic).
+serves it on a CPU without bf16 arithmetic).  The weights are what `kvserve serve` loads
+(--weight-dtype auto: the embedded file's 4-bit blocks for these 8-row steps), so the part of
+the step that is not attention is the served one.
 
     .venv/bin/python benchmarks/long_context_decode.py --json
 """
@@ -31,6 +33,7 @@ from kvserve.evaluation.paged import allocate_cache
 from kvserve.kv.spec import cdiv
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_checkpoint
+from kvserve.models.quantized_linear import q8_plan
 from kvserve.native import platform
 from kvserve.runner.paged_forward import Piece, forward_hidden
 
@@ -114,11 +117,14 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--weight-dtype", default="auto", help="as kvserve serve's flag")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     platform.set_cpu_threads()
     checkpoint = load_checkpoint(None)
-    model = LlamaForCausalLM.from_weights(checkpoint.config, checkpoint.weights, torch.float32, CPU)
+    q8 = q8_plan(args.weight_dtype, CPU, torch.float32, checkpoint.config.stored_weight_type)
+    model = LlamaForCausalLM.from_weights(checkpoint.config, checkpoint.weights, torch.float32, CPU,
+                                          q8)  # fmt: skip
     subjects = [Subject(model, d, args) for d in args.kv_dtypes.split(",")]
     for subject in subjects:  # warm-up
         subject.step(), subject.attention()
@@ -135,13 +141,15 @@ def main() -> None:
         r["attention_vs_bfloat16"] = r["attention_ms"] / base["attention_ms"]
     report = {
         "batch": args.batch, "context": args.context + 1, "threads": torch.get_num_threads(),
-        "read_gb_per_s": read_rate / 1e9, "model_dtype": "float32", "results": rows,
+        "read_gb_per_s": read_rate / 1e9, "model_dtype": "float32",
+        "weight_dtype": args.weight_dtype, "results": rows,
     }  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"{args.batch} sequences x {args.context + 1:,} tokens, {report['threads']} threads, "
-          f"streaming reads {report['read_gb_per_s']:.1f} GB/s; float32 model")  # fmt: skip
+          f"streaming reads {report['read_gb_per_s']:.1f} GB/s; float32 model, "
+          f"--weight-dtype {args.weight_dtype}")  # fmt: skip
     print("| KV dtype | bytes/token | step (ms) | vs bf16 | attention, 30 layers (ms) | vs bf16 "
           "| K/V read floor (ms) |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import filled_cache, garbage_before_window, mixed_step, poison_block
+from attention_cases import (
+    decode_tolerance,
+    filled_cache,
+    garbage_before_window,
+    mixed_step,
+    poison_block,
+)
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvserve.attention import select_backend
@@ -98,7 +104,7 @@ def test_cpu_paged_equals_reference(window, kv_dtype):
         q, k, v, md, dirty, cache, _ = windowed_case(step, window, kv_dtype)
         expected = _reference(q, k, v, md, cache)
         got = backend.forward(q, k, v, cache(True), dirty, DIM**-0.5)
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=step)
+        torch.testing.assert_close(got, expected, **decode_tolerance(kv_dtype), msg=step)
 
 
 @cpu_kernel

@@ -217,6 +217,167 @@ static inline void weighted_sum(float *restrict y, const float *p, const float *
 #define HAVE_DOT8 0
 #endif
 
+#if HAVE_DOT8
+/* 8- and 4-bit rows read as their codes (AVX2).  Widening a row to scaled float32 cost more
+ * than attending it (a 4-bit row took ~60 instructions to unpack, shift, convert, offset,
+ * scale and store, against 8 FMAs a head to score it), so:
+ *   keys:   the codes widened to int16 once per block and head, scored against each query
+ *           head's int16 codes with vpmaddwd (the products exact in int32); the key's scale,
+ *           the query's and 4-bit codes' offset of 7.5 applied to the 16 sums of a block:
+ *           q . k = q_scale x k_scale x (sum q_c k_c - 7.5 x sum q_c)   (4-bit: k_c 0..15)
+ *   values: the codes converted to float32 (no offset, no scale); each row's weight p_o x
+ *           v_scale_o, and a 4-bit block's -7.5 x sum of weights added to every output lane.
+ * A query's int16 codes round it by at most amax / 65534 a value, far below a key's own
+ * rounding.  Taken where head_dim is a multiple of 32 up to 256 (the int32 sums' bound). */
+#define CODE_DIM_STEP 32
+#define CODE_MAX_DIM 256
+#define QUERY_CODE_MAX 32767.0f
+
+static inline int reads_codes(int kind, int dim) {
+    return (kind == KV_I8 || kind == KV_I4) && dim % CODE_DIM_STEP == 0 && dim <= CODE_MAX_DIM;
+}
+
+/* Where value d of a row sits among its int16 codes: a 4-bit row's 32 values a 16-byte run
+ * widen as 16 low nibbles (the even values) then 16 high ones (the odd values). */
+static inline int code_position(int kind, int d) {
+    return kind == KV_I4 ? (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1) : d;
+}
+
+/* One query head as int16 codes in its keys' code order, with its scale and code sum. */
+static void query_codes(const float *q, int kind, int dim, int16_t *codes, float *scale,
+                        float *code_sum) {
+    float amax = 0.0f;
+    for (int d = 0; d < dim; d++) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
+    const float s = amax > 0.0f ? amax / QUERY_CODE_MAX : 1.0f, inv = 1.0f / s;
+    int32_t sum = 0;
+    for (int d = 0; d < dim; d++) {
+        float c = nearbyintf(q[d] * inv);
+        c = c > QUERY_CODE_MAX ? QUERY_CODE_MAX : c < -QUERY_CODE_MAX ? -QUERY_CODE_MAX : c;
+        codes[code_position(kind, d)] = (int16_t)c;
+        sum += (int32_t)c;
+    }
+    *scale = s;
+    *code_sum = (float)sum;
+}
+
+/* A block's key rows of one KV head as int16 codes (row o at dst + o * dim) and their scales. */
+static void key_codes(const void *cache, const float *scales, int kind, int64_t first_slot,
+                      int count, int kv_head, int num_kv_heads, int dim, int16_t *dst,
+                      float *row_scales) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int o = 0; o < count; o++) {
+        const int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
+        int16_t *row = dst + (int64_t)o * dim;
+        row_scales[o] = scales[idx];
+        if (kind == KV_I8) {
+            const int8_t *src = (const int8_t *)cache + idx * dim;
+            for (int d = 0; d < dim; d += 16)
+                _mm256_storeu_si256((__m256i *)(row + d),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(src + d))));
+        } else {
+            const uint8_t *src = (const uint8_t *)cache + idx * dim / 2;
+            for (int d = 0; d < dim; d += 32) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + d / 2));
+                const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+                _mm256_storeu_si256((__m256i *)(row + d),
+                                    _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4)));
+                _mm256_storeu_si256((__m256i *)(row + d + 16), _mm256_cvtepu8_epi16(high));
+            }
+        }
+    }
+}
+
+/* The eight int32 lanes' sums of a[0..7], as float32 in out[0..7] (dot8's reduction). */
+static inline void sums8_epi32(const __m256i *a, float *out) {
+    __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
+    __m256i s45 = _mm256_hadd_epi32(a[4], a[5]), s67 = _mm256_hadd_epi32(a[6], a[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    __m256i lo = _mm256_permute2x128_si256(s0123, s4567, 0x20);
+    __m256i hi = _mm256_permute2x128_si256(s0123, s4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)));
+}
+
+/* raw[o] = sum_d q[d] x rows[o * dim + d] over int16 codes, for o < count. */
+static void code_dots(const int16_t *q, const int16_t *rows, int count, int dim, float *raw) {
+    int o = 0;
+    for (; o + 8 <= count; o += 8) {
+        __m256i a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_si256();
+        for (int d = 0; d < dim; d += 16) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + d));
+            for (int r = 0; r < 8; r++) {
+                const __m256i k = _mm256_loadu_si256((const __m256i *)(rows + (int64_t)(o + r) * dim + d));
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(qv, k));
+            }
+        }
+        sums8_epi32(a, raw + o);
+    }
+    for (; o < count; o++) {
+        __m256i a = _mm256_setzero_si256();
+        for (int d = 0; d < dim; d += 16)
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(
+                _mm256_loadu_si256((const __m256i *)(q + d)),
+                _mm256_loadu_si256((const __m256i *)(rows + (int64_t)o * dim + d))));
+        raw[o] = hsum(_mm256_cvtepi32_ps(a));
+    }
+}
+
+/* scores[o] = q . k_o x sm_scale from the codes, as the comment above says. */
+static void code_scores(const int16_t *q, float q_scale, float q_code_sum, int kind,
+                        const int16_t *rows, const float *row_scales, int count, int dim,
+                        float sm_scale, float *scores) {
+    code_dots(q, rows, count, dim, scores);
+    const float offset = kind == KV_I4 ? 7.5f * q_code_sum : 0.0f, s = q_scale * sm_scale;
+    for (int o = 0; o < count; o++) scores[o] = (scores[o] - offset) * s * row_scales[o];
+}
+
+/* A block's value rows of one KV head as float32 codes (rows[o] in buf) and their scales. */
+static void value_codes(const void *cache, const float *scales, int kind, int64_t first_slot,
+                        int count, int kv_head, int num_kv_heads, int dim, float *buf,
+                        const float **rows, float *row_scales) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int o = 0; o < count; o++) {
+        const int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
+        float *row = buf + (int64_t)o * dim;
+        rows[o] = row;
+        row_scales[o] = scales[idx];
+        if (kind == KV_I8) {
+            const int8_t *src = (const int8_t *)cache + idx * dim;
+            for (int d = 0; d < dim; d += 8)
+                _mm256_storeu_ps(row + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64((const __m128i *)(src + d)))));
+            continue;
+        }
+        const uint8_t *src = (const uint8_t *)cache + idx * dim / 2;
+        for (int d = 0; d < dim; d += 32) { /* 16 bytes: their nibbles interleaved back in order */
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + d / 2));
+            const __m128i lo = _mm_and_si128(bytes, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+            for (int c = 0; c < 4; c++) {
+                const __m128i eight = c & 1 ? _mm_srli_si128(codes[c / 2], 8) : codes[c / 2];
+                _mm256_storeu_ps(row + 8 * c + d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
+            }
+        }
+    }
+}
+
+/* acc += sum_o p[o] x v_o over rows of codes: weights p[o] x row_scales[o], and for 4-bit
+ * rows their offset (-7.5 x the weights' sum) on every lane. */
+static void weighted_code_sum(float *acc, const float *p, const float *const *rows,
+                              const float *row_scales, int kind, int count, int dim) {
+    float weights[count], total = 0.0f;
+    for (int o = 0; o < count; o++) total += (weights[o] = p[o] * row_scales[o]);
+    weighted_sum(acc, weights, rows, count, dim);
+    if (kind != KV_I4) return;
+    const __m256 shift = _mm256_set1_ps(-7.5f * total);
+    for (int d = 0; d < dim; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), shift));
+}
+#else
+static inline int reads_codes(int kind, int dim) { (void)kind; (void)dim; return 0; }
+#endif
+
 /* scores[o] = q . rows[o] * sm_scale for o < count. */
 static inline void block_scores(const float *q, const float *const *rows, int count, int dim,
                                 float sm_scale, float *scores) {
@@ -268,6 +429,19 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     float *run_max = work, *run_sum = run_max + num_heads, *probs = run_sum + num_heads;
     float *key_buf = probs + group * block_size, *value_buf = key_buf + block_size * dim;
     const float *key_rows[block_size], *value_rows[block_size];
+    /* 8- and 4-bit rows read as codes (reads_codes): the keys' int16 codes in key_buf */
+    const int key_codes_read = reads_codes(kind, dim);
+    const int value_codes_read = reads_codes(value_kind, dim);
+    int16_t *key_code_rows = (int16_t *)key_buf;
+    int16_t q_codes[key_codes_read ? num_heads * dim : 1];
+    float q_scales[num_heads], q_code_sums[num_heads];
+    float key_scales[block_size], value_scales[block_size];
+#if HAVE_DOT8
+    if (key_codes_read)
+        for (int head = 0; head < num_heads; head++)
+            query_codes(q + (int64_t)head * dim, kind, dim, q_codes + (int64_t)head * dim,
+                        &q_scales[head], &q_code_sums[head]);
+#endif
     for (int head = 0; head < num_heads; head++) {
         run_max[head] = -INFINITY;
         run_sum[head] = 0.0f;
@@ -284,14 +458,32 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
         int count = (int)(seq_len - b * block_size < block_size ? seq_len - b * block_size
                                                                 : block_size) - lo;
         for (int h = 0; h < num_kv_heads; h++) {
-            block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
-                       key_buf, key_rows);
-            block_rows(value, value_scale, value_kind, lut, first_slot, count, h, num_kv_heads,
-                       dim, value_buf, value_rows);
+#if HAVE_DOT8
+            if (key_codes_read)
+                key_codes(key, key_scale, kind, first_slot, count, h, num_kv_heads, dim,
+                          key_code_rows, key_scales);
+            else
+#endif
+                block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
+                           key_buf, key_rows);
+#if HAVE_DOT8
+            if (value_codes_read)
+                value_codes(value, value_scale, value_kind, first_slot, count, h, num_kv_heads,
+                            dim, value_buf, value_rows, value_scales);
+            else
+#endif
+                block_rows(value, value_scale, value_kind, lut, first_slot, count, h,
+                           num_kv_heads, dim, value_buf, value_rows);
             for (int g = 0; g < group; g++) {
                 int head = h * group + g;
                 float *p = probs + g * block_size, *acc = out + (int64_t)head * dim;
-                block_scores(q + (int64_t)head * dim, key_rows, count, dim, sm_scale, p);
+#if HAVE_DOT8
+                if (key_codes_read)
+                    code_scores(q_codes + (int64_t)head * dim, q_scales[head], q_code_sums[head],
+                                kind, key_code_rows, key_scales, count, dim, sm_scale, p);
+                else
+#endif
+                    block_scores(q + (int64_t)head * dim, key_rows, count, dim, sm_scale, p);
                 float new_max = run_max[head];
                 for (int o = 0; o < count; o++) new_max = p[o] > new_max ? p[o] : new_max;
                 float block_sum = exp_shifted(p, count, new_max);
@@ -302,7 +494,12 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
                     run_max[head] = new_max;
                 }
                 run_sum[head] += block_sum;
-                weighted_sum(acc, p, value_rows, count, dim);
+#if HAVE_DOT8
+                if (value_codes_read)
+                    weighted_code_sum(acc, p, value_rows, value_scales, value_kind, count, dim);
+                else
+#endif
+                    weighted_sum(acc, p, value_rows, count, dim);
             }
         }
     }
