@@ -331,48 +331,84 @@ static void code_scores(const int16_t *q, float q_scale, float q_code_sum, int k
     for (int o = 0; o < count; o++) scores[o] = (scores[o] - offset) * s * row_scales[o];
 }
 
-/* A block's value rows of one KV head as float32 codes (rows[o] in buf) and their scales. */
-static void value_codes(const void *cache, const float *scales, int kind, int64_t first_slot,
-                        int count, int kv_head, int num_kv_heads, int dim, float *buf,
-                        const float **rows, float *row_scales) {
-    const __m128i low4 = _mm_set1_epi8(0x0f);
+/* A block's value rows of one KV head: where each row's codes start, and their scales. */
+static void value_code_rows(const void *cache, const float *scales, int kind, int64_t first_slot,
+                            int count, int kv_head, int num_kv_heads, int dim,
+                            const uint8_t **rows, float *row_scales) {
     for (int o = 0; o < count; o++) {
         const int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
-        float *row = buf + (int64_t)o * dim;
-        rows[o] = row;
+        rows[o] = (const uint8_t *)cache + (kind == KV_I4 ? idx * dim / 2 : idx * dim);
         row_scales[o] = scales[idx];
-        if (kind == KV_I8) {
-            const int8_t *src = (const int8_t *)cache + idx * dim;
-            for (int d = 0; d < dim; d += 8)
-                _mm256_storeu_ps(row + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64((const __m128i *)(src + d)))));
-            continue;
-        }
-        const uint8_t *src = (const uint8_t *)cache + idx * dim / 2;
-        for (int d = 0; d < dim; d += 32) { /* 16 bytes: their nibbles interleaved back in order */
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(src + d / 2));
-            const __m128i lo = _mm_and_si128(bytes, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-            for (int c = 0; c < 4; c++) {
-                const __m128i eight = c & 1 ? _mm_srli_si128(codes[c / 2], 8) : codes[c / 2];
-                _mm256_storeu_ps(row + 8 * c + d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
-            }
-        }
     }
 }
 
-/* acc += sum_o p[o] x v_o over rows of codes: weights p[o] x row_scales[o], and for 4-bit
- * rows their offset (-7.5 x the weights' sum) on every lane. */
-static void weighted_code_sum(float *acc, const float *p, const float *const *rows,
-                              const float *row_scales, int kind, int count, int dim) {
-    float weights[count], total = 0.0f;
-    for (int o = 0; o < count; o++) total += (weights[o] = p[o] * row_scales[o]);
-    weighted_sum(acc, weights, rows, count, dim);
-    if (kind != KV_I4) return;
-    const __m256 shift = _mm256_set1_ps(-7.5f * total);
-    for (int d = 0; d < dim; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), shift));
+/* Values d .. d + 31 of a row of codes as four float32 vectors (no offset, no scale). */
+static inline void codes32(const uint8_t *row, int kind, int d, __m256 v[4]) {
+    if (kind == KV_I8) {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(row + d + 8 * j))));
+        return;
+    }
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + d / 2));
+    const __m128i lo = _mm_and_si128(bytes, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+}
+
+/* acc[g] += sum_o weights[g][o] x row o, for `heads` (1 to 3, a constant where inlined) heads
+ * at once: each row's codes converted once, in registers, for all of them (12 accumulators,
+ * 32 values a pass). */
+static inline __attribute__((always_inline)) void code_rows_into(
+    int heads, float *const *acc, const float *const *weights, const uint8_t *const *rows,
+    int kind, int count, int dim) {
+    for (int d = 0; d < dim; d += 32) {
+        __m256 a[3][4];
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < 4; j++) a[g][j] = _mm256_loadu_ps(acc[g] + d + 8 * j);
+        for (int o = 0; o < count; o++) {
+            __m256 v[4];
+            codes32(rows[o], kind, d, v);
+            for (int g = 0; g < heads; g++) {
+                const __m256 w = _mm256_broadcast_ss(weights[g] + o);
+                for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
+            }
+        }
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc[g] + d + 8 * j, a[g][j]);
+    }
+}
+
+/* The group's outputs (out, group x dim) += sum_o p_g[o] x v_o over a block's rows of codes:
+ * weights p_g[o] x row_scales[o] (probs: group rows of block_size), and for 4-bit rows their
+ * offset, -7.5 x the weights' sum, on every lane.  Heads three at a time. */
+static void group_code_sum(float *out, const float *probs, int block_size,
+                           const uint8_t *const *rows, const float *row_scales, int kind,
+                           int count, int group, int dim) {
+    float weights[group * count];
+    for (int g = 0; g < group; g++) {
+        float total = 0.0f, *w = weights + g * count;
+        for (int o = 0; o < count; o++) total += (w[o] = probs[g * block_size + o] * row_scales[o]);
+        if (kind == KV_I4)
+            for (int d = 0; d < dim; d++) out[(int64_t)g * dim + d] -= 7.5f * total;
+    }
+    for (int g0 = 0; g0 < group; g0 += 3) {
+        const int heads = group - g0 < 3 ? group - g0 : 3;
+        float *acc[3];
+        const float *w[3];
+        for (int g = 0; g < heads; g++) {
+            acc[g] = out + (int64_t)(g0 + g) * dim;
+            w[g] = weights + (g0 + g) * count;
+        }
+        if (heads == 3) code_rows_into(3, acc, w, rows, kind, count, dim);
+        else if (heads == 2) code_rows_into(2, acc, w, rows, kind, count, dim);
+        else code_rows_into(1, acc, w, rows, kind, count, dim);
+    }
 }
 #else
 static inline int reads_codes(int kind, int dim) { (void)kind; (void)dim; return 0; }
@@ -436,6 +472,7 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     int16_t q_codes[key_codes_read ? num_heads * dim : 1];
     float q_scales[num_heads], q_code_sums[num_heads];
     float key_scales[block_size], value_scales[block_size];
+    const uint8_t *value_code_starts[block_size];
 #if HAVE_DOT8
     if (key_codes_read)
         for (int head = 0; head < num_heads; head++)
@@ -468,8 +505,8 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
                            key_buf, key_rows);
 #if HAVE_DOT8
             if (value_codes_read)
-                value_codes(value, value_scale, value_kind, first_slot, count, h, num_kv_heads,
-                            dim, value_buf, value_rows, value_scales);
+                value_code_rows(value, value_scale, value_kind, first_slot, count, h,
+                                num_kv_heads, dim, value_code_starts, value_scales);
             else
 #endif
                 block_rows(value, value_scale, value_kind, lut, first_slot, count, h,
@@ -494,13 +531,13 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
                     run_max[head] = new_max;
                 }
                 run_sum[head] += block_sum;
-#if HAVE_DOT8
-                if (value_codes_read)
-                    weighted_code_sum(acc, p, value_rows, value_scales, value_kind, count, dim);
-                else
-#endif
-                    weighted_sum(acc, p, value_rows, count, dim);
+                if (!value_codes_read) weighted_sum(acc, p, value_rows, count, dim);
             }
+#if HAVE_DOT8
+            if (value_codes_read) /* the group's heads together, each row converted once */
+                group_code_sum(out + (int64_t)h * group * dim, probs, block_size,
+                               value_code_starts, value_scales, value_kind, count, group, dim);
+#endif
         }
     }
     for (int head = 0; head < num_heads; head++) {
