@@ -31,8 +31,9 @@ Workloads (docs/benchmarks.md): W1 = N x 256 in / 128 out all at once; W3 = 64 x
 shared + 32) in / 32 out; W2 = W1's shape (other prompts, so that no server finds them in its
 prefix cache) at a Poisson rate (after W1, whose rate it takes); W5 = 8 x 7,936 in / 128 out
 all at once (long context: the KV cache decides the step time) and W5D its decode-heavy
-variant, 8 x 7,936 in / 512 out.  --workloads picks them, in its order; --skip-bound leaves
-out step 1 (what the long-context workloads do not need):
+variant, 8 x 7,680 in / 512 out (8,192 tokens: the embedded model's context).  --workloads
+picks them, in its order; --skip-bound leaves out step 1 (what the long-context workloads do
+not need):
 
     .venv/bin/python benchmarks/side_by_side.py --skip-bound --skip-profile \
         --workloads w5,w5d --kvserve-args "--kv-cache-dtype int4 --max-model-len 8192 \
@@ -124,8 +125,9 @@ def w5(args: argparse.Namespace) -> DatasetConfig:
 
 
 def w5d(args: argparse.Namespace) -> DatasetConfig:
-    """W5's prompts with 512 tokens out each: the decode steps over 8 x 8K of K/V dominate."""
-    return DatasetConfig(num_prompts=8, random_input_len=7936, random_output_len=512,
+    """8 prompts of 7,680 tokens, 512 out each (8,192 in all, the embedded model's context):
+    the decode steps over 8 x 8K of K/V dominate."""
+    return DatasetConfig(num_prompts=8, random_input_len=7680, random_output_len=512,
                          seed=args.seed + 4)  # fmt: skip
 
 
