@@ -10,12 +10,14 @@ outlier token flatten every other token's resolution; per (token, head) costs 4 
 it is stored (a per-block or per-tensor scale would need re-quantizing old tokens).
 fp8_e5m2 has fp16's exponent range and is stored unscaled.
 
-int4 keeps the same float32 scale per (token, kv head) and packs two 4-bit codes a byte
-(value 2j in byte j's low nibble, 2j + 1 in its high one): 36 bytes per 64 values, 3.56x
-fewer than bfloat16.  The grid is mid-rise, 16 levels (q - 7.5) x scale with scale = amax / 8
-and q = clamp(floor(x / scale) + 8, 0, 15): no level is wasted on an exact zero, and the
-largest value is off by half a step like every other.  A per-group scale (llama.cpp's q4_0
-keeps one per 32 values) would cost the bytes that make 3.5x; the rotation that comes with
+int4 keeps the same float32 scale per (token, kv head) and packs two 4-bit codes a byte (value
+2j in byte j's low nibble, 2j + 1 in its high one): 36 bytes per 64 values, 3.56x fewer than
+bfloat16. The grid is mid-rise, 16 levels (q - 7.5) x scale with q = clamp(floor(x / scale) +
+8, 0, 15): no level is wasted on an exact zero. The scale is amax / d for the d of
+INT4_SCALE_DIVISORS whose codes leave the row the least squared error: amax / 8 fits the
+largest value, a larger d clips it and gives the many small ones finer steps, and which wins
+differs from row to row (docs/decisions/kv-int4-rotation.md). A per-group scale (llama.cpp's
+q4_0 keeps one per 32 values) would cost the bytes that make 3.5x; the rotation that comes with
 int4 (attention/rotation.py) spreads a head's outliers over all its values instead, so one
 scale per head fits them.
 """
@@ -29,7 +31,10 @@ FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
 _MIN_SCALE = 1e-12
 
-INT4_LEVELS_HALF = 8.0  # scale = amax / 8; codes 0..15 stand for -7.5 .. 7.5 steps
+INT4_LEVELS_HALF = 8.0  # codes 0..15 stand for -7.5 .. 7.5 steps
+# A 4-bit row's candidate scales amax / d, tried in this order (the first of equal errors
+# wins); exact in binary, so that the C quantizer divides by the same float32 values.
+INT4_SCALE_DIVISORS = (8.0, 8.5, 9.0, 9.5, 10.0, 10.5)
 
 # The formats of a row (quantize / dequantize), and the cache dtypes built on them: k8v4 keeps
 # int8 keys and int4 values (config.SPLIT_KV_DTYPES).
@@ -74,10 +79,31 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
         data = (x32 / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         return data.to(torch.float8_e4m3fn).view(torch.uint8), scale
     if kv_dtype == "int4":
-        scale = (amax / INT4_LEVELS_HALF).clamp(min=_MIN_SCALE)
-        codes = (torch.floor(x32 / scale[..., None]) + INT4_LEVELS_HALF).clamp(0, 15)
+        codes, scale = _int4_codes(x32, amax)
         return pack_nibbles(codes.to(torch.uint8)), scale
     raise ValueError(f"not a quantized KV dtype: {kv_dtype!r}")
+
+
+def _int4_codes(x32: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's codes (float32, 0..15) and scale under the INT4_SCALE_DIVISORS candidate
+    whose dequantized row is nearest x32 in squared error, summed in float64 (as
+    kv_quantize.c does: (code - 7.5) x scale is exact there, so only the order of the sum
+    differs)."""
+    best_codes = best_scale = best_error = None
+    x64 = x32.double()
+    for divisor in INT4_SCALE_DIVISORS:
+        scale = (amax / divisor).clamp(min=_MIN_SCALE)
+        codes = (torch.floor(x32 / scale[..., None]) + INT4_LEVELS_HALF).clamp(0, 15)
+        diff = (codes.double() - (INT4_LEVELS_HALF - 0.5)) * scale.double()[..., None] - x64
+        error = diff.square().sum(-1)
+        if best_error is None:
+            best_codes, best_scale, best_error = codes, scale, error
+            continue
+        better = error < best_error
+        best_codes = torch.where(better[..., None], codes, best_codes)
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_codes, best_scale
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

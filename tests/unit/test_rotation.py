@@ -42,7 +42,8 @@ def test_the_rotation_is_the_same_in_every_process(head_dim):
 @pytest.mark.parametrize("backend_name", ["torch", "cpu-paged"])
 def test_attention_through_a_rotated_cache_with_a_key_offset_is_plain_attention(backend_name):
     """Decode steps over a float32 cache that keeps rotated rows (what int4 does, without the
-    4-bit rounding): the output equals the plain cache's, with any key offset subtracted."""
+    4-bit rounding): the output equals the plain cache's, with any key offset subtracted and
+    any channel scales dividing the keys (and multiplying the queries)."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     seq_lens = [1, 17, 40]
@@ -58,15 +59,16 @@ def test_attention_through_a_rotated_cache_with_a_key_offset_is_plain_attention(
     plain = filled_cache("float32", num_blocks, block_size, kv_heads, dim, gen)
     rotated = filled_cache("float32", num_blocks, block_size, kv_heads, dim, gen)
     rotated.rotated = True
-    offset = rotation.rotate(keys.mean(0))
+    channel_scale = torch.rand(kv_heads, dim, generator=gen) * 4 + 0.25
+    offset = rotation.rotate(keys.mean(0) / channel_scale)
     slots = torch.arange(num_slots)
     plain.write(slots, keys, values)
-    rotated.write(slots, rotation.rotate(keys) - offset, rotation.rotate(values))
+    rotated.write(slots, rotation.rotate(keys / channel_scale) - offset, rotation.rotate(values))
     backend = select_backend(backend_name, torch.device("cpu"))
     query = torch.randn(len(seq_lens), heads, dim, generator=gen)
     new_k = torch.randn(len(seq_lens), kv_heads, dim, generator=gen)
     new_v = torch.randn(len(seq_lens), kv_heads, dim, generator=gen)
     scale = dim**-0.5
     expected = TorchRefBackend().forward(query, new_k, new_v, plain, md, scale)
-    got = rotation.attend(backend, query, new_k, new_v, rotated, md, scale, offset)
+    got = rotation.attend(backend, query, new_k, new_v, rotated, md, scale, offset, channel_scale)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

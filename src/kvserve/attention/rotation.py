@@ -80,12 +80,20 @@ def attend(
     metadata: AttentionMetadata,
     scale: float,
     key_offset: torch.Tensor | None = None,  # [Hkv, D], rotated (runner/key_offsets.py)
+    key_channel_scale: torch.Tensor | None = None,  # [Hkv, D] (runner/key_offsets.py)
 ) -> torch.Tensor:
     """backend.forward, with q, k, v rotated and the output rotated back where the cache keeps
-    rotated rows (kv_cache.rotated), the layer's key offset subtracted from its rotated keys
-    (no attention weight changes: runner/key_offsets.py); the backend's own call elsewhere."""
+    rotated rows (kv_cache.rotated); before that the keys divided and the queries multiplied
+    by the layer's channel scales, and after it the key offset subtracted from the rotated
+    keys (neither changes an attention weight: runner/key_offsets.py); the backend's own call
+    elsewhere."""
     if not kv_cache.rotated:
         return backend.forward(query, key, value, kv_cache, metadata, scale)
+    if key_channel_scale is not None:
+        key = key / key_channel_scale
+        tokens, heads, dim = query.shape
+        grouped = query.reshape(tokens, key_channel_scale.shape[0], -1, dim)
+        query = (grouped * key_channel_scale[:, None]).reshape(tokens, heads, dim)
     key = rotate(key)
     if key_offset is not None:
         key = key - key_offset

@@ -229,9 +229,11 @@ class DecoderLayer(nn.Module):
         self.scale = (config.head_dim if scalar is None else scalar) ** -0.5
         # The window this layer attends over (0: full attention); which RoPE table it takes.
         self.sliding_window = sliding_window
-        # [kv_heads, head_dim], rotated: subtracted from the keys a rotated (4-bit) cache
-        # stores (runner/key_offsets.py); None until calibrated
+        # [kv_heads, head_dim] each, for a rotated (4-bit) cache (runner/key_offsets.py): keys
+        # divided and queries multiplied by the channel scales, the rotated offset subtracted
+        # from the rotated keys; None until calibrated
         self.key_offset: torch.Tensor | None = None
+        self.key_channel_scale: torch.Tensor | None = None
         self.local_rope = bool(sliding_window) and config.rope_local_base_freq is not None
         norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
         self.gemma_norms = config.gemma_norms
@@ -379,12 +381,17 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_layers(self.layers)
         self.pads_rows = True
 
-    def set_key_offsets(self, offsets: Sequence[torch.Tensor]) -> None:
-        """Each layer's key offset (runner/key_offsets.py), in the activations' dtype."""
-        if len(offsets) != len(self.layers):
-            raise ValueError(f"{len(offsets)} key offsets for {len(self.layers)} layers")
-        for layer, offset in zip(self.layers, offsets, strict=True):
+    def set_key_offsets(
+        self, offsets: Sequence[torch.Tensor], channel_scales: Sequence[torch.Tensor]
+    ) -> None:
+        """Each layer's key offset and channel scales (runner/key_offsets.py), in the
+        activations' dtype."""
+        if not len(offsets) == len(channel_scales) == len(self.layers):
+            raise ValueError(f"{len(offsets)} key offsets, {len(channel_scales)} channel "
+                             f"scales for {len(self.layers)} layers")  # fmt: skip
+        for layer, offset, scale in zip(self.layers, offsets, channel_scales, strict=True):
             layer.key_offset = offset.to(self.dtype)
+            layer.key_channel_scale = scale.to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -449,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
             with record_function("kvserve::attention"):
                 attn = rotation.attend(
                     backend, q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md,
-                    layer.scale, layer.key_offset,
+                    layer.scale, layer.key_offset, layer.key_channel_scale,
                 )  # fmt: skip
             if index + 1 < len(layers):
                 hidden, q, k, v = kernels.between_attentions(

@@ -111,8 +111,29 @@ static inline void store_row16(const void *x, int src_kind, int64_t src, uint8_t
 #define HAVE_AVX512_STORE 0
 #endif
 
-/* One row as 4-bit codes (KV_I4): scale = amax / 8, code = clamp(floor(x / scale) + 8, 0, 15),
- * two codes a byte, value 2j low.  quant.py's torch expression, operation for operation. */
+/* A 4-bit row's candidate scales amax / d, in kv_quant.INT4_SCALE_DIVISORS' order. */
+static const float I4_SCALE_DIVISORS[] = {8.0f, 8.5f, 9.0f, 9.5f, 10.0f, 10.5f};
+#define I4_NUM_DIVISORS (int)(sizeof I4_SCALE_DIVISORS / sizeof I4_SCALE_DIVISORS[0])
+
+static inline float i4_code(float v, float scale) {
+    const float c = floorf(v / scale) + 8.0f;
+    return c < 0.0f ? 0.0f : c > 15.0f ? 15.0f : c;
+}
+
+/* The squared error of a row's codes under `scale`, in double ((code - 7.5) x scale exact). */
+static double i4_row_error(const void *x, int src_kind, int64_t src, float scale, int dim) {
+    double error = 0.0;
+    for (int d = 0; d < dim; d++) {
+        const float v = widen(x, src_kind, src + d);
+        const double diff = ((double)i4_code(v, scale) - 7.5) * (double)scale - (double)v;
+        error += diff * diff;
+    }
+    return error;
+}
+
+/* One row as 4-bit codes (KV_I4): code = clamp(floor(x / scale) + 8, 0, 15), two codes a byte,
+ * value 2j low, under the candidate scale amax / d with the least squared error (the first of
+ * equal ones).  quant.py's torch expressions, operation for operation. */
 static inline void store_row_i4(const void *x, int src_kind, int64_t src, uint8_t *dst,
                                 float *scale_out, int dim) {
     float amax = 0.0f;
@@ -132,15 +153,22 @@ static inline void store_row_i4(const void *x, int src_kind, int64_t src, uint8_
         float a = fabsf(widen(x, src_kind, src + d));
         amax = a > amax ? a : amax;
     }
-    float scale = amax / 8.0f;
-    if (scale < 1e-12f) scale = 1e-12f;
+    float scale = 0.0f;
+    double best = 0.0;
+    for (int i = 0; i < I4_NUM_DIVISORS; i++) {
+        float candidate = amax / I4_SCALE_DIVISORS[i];
+        if (candidate < 1e-12f) candidate = 1e-12f;
+        const double error = i4_row_error(x, src_kind, src, candidate, dim);
+        if (i == 0 || error < best) {
+            best = error;
+            scale = candidate;
+        }
+    }
     *scale_out = scale;
     for (d = 0; d + 1 < dim; d += 2) {
-        float lo = floorf(widen(x, src_kind, src + d) / scale) + 8.0f;
-        float hi = floorf(widen(x, src_kind, src + d + 1) / scale) + 8.0f;
-        lo = lo < 0.0f ? 0.0f : lo > 15.0f ? 15.0f : lo;
-        hi = hi < 0.0f ? 0.0f : hi > 15.0f ? 15.0f : hi;
-        dst[d / 2] = (uint8_t)((int)lo | ((int)hi << 4));
+        const int lo = (int)i4_code(widen(x, src_kind, src + d), scale);
+        const int hi = (int)i4_code(widen(x, src_kind, src + d + 1), scale);
+        dst[d / 2] = (uint8_t)(lo | (hi << 4));
     }
 }
 
