@@ -245,7 +245,7 @@ static inline int code_position(int kind, int d) {
 
 /* One query head as int16 codes in its keys' code order, with its scale and code sum. */
 static void query_codes(const float *q, int kind, int dim, int16_t *codes, float *scale,
-                        float *code_sum) {
+                        int32_t *code_sum) {
     float amax = 0.0f;
     for (int d = 0; d < dim; d++) amax = fabsf(q[d]) > amax ? fabsf(q[d]) : amax;
     const float s = amax > 0.0f ? amax / QUERY_CODE_MAX : 1.0f, inv = 1.0f / s;
@@ -257,7 +257,7 @@ static void query_codes(const float *q, int kind, int dim, int16_t *codes, float
         sum += (int32_t)c;
     }
     *scale = s;
-    *code_sum = (float)sum;
+    *code_sum = sum;
 }
 
 /* A block's key rows of one KV head as int16 codes (row o at dst + o * dim) and their scales. */
@@ -287,18 +287,19 @@ static void key_codes(const void *cache, const float *scales, int kind, int64_t 
     }
 }
 
-/* The eight int32 lanes' sums of a[0..7], as float32 in out[0..7] (dot8's reduction). */
-static inline void sums8_epi32(const __m256i *a, float *out) {
+/* The eight int32 lanes' sums of a[0..7] in out[0..7] (dot8's reduction). */
+static inline void sums8_epi32(const __m256i *a, int32_t *out) {
     __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
     __m256i s45 = _mm256_hadd_epi32(a[4], a[5]), s67 = _mm256_hadd_epi32(a[6], a[7]);
     __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
     __m256i lo = _mm256_permute2x128_si256(s0123, s4567, 0x20);
     __m256i hi = _mm256_permute2x128_si256(s0123, s4567, 0x31);
-    _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)));
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi32(lo, hi));
 }
 
-/* raw[o] = sum_d q[d] x rows[o * dim + d] over int16 codes, for o < count. */
-static void code_dots(const int16_t *q, const int16_t *rows, int count, int dim, float *raw) {
+/* raw[o] = sum_d q[d] x rows[o * dim + d] over int16 codes, for o < count (exact: at most
+ * 32767 x 127 x 256 in magnitude). */
+static void code_dots(const int16_t *q, const int16_t *rows, int count, int dim, int32_t *raw) {
     int o = 0;
     for (; o + 8 <= count; o += 8) {
         __m256i a[8];
@@ -318,17 +319,26 @@ static void code_dots(const int16_t *q, const int16_t *rows, int count, int dim,
             a = _mm256_add_epi32(a, _mm256_madd_epi16(
                 _mm256_loadu_si256((const __m256i *)(q + d)),
                 _mm256_loadu_si256((const __m256i *)(rows + (int64_t)o * dim + d))));
-        raw[o] = hsum(_mm256_cvtepi32_ps(a));
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, a);
+        raw[o] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     }
 }
 
-/* scores[o] = q . k_o x sm_scale from the codes, as the comment above says. */
-static void code_scores(const int16_t *q, float q_scale, float q_code_sum, int kind,
+/* scores[o] = q . k_o x sm_scale from the codes, as the comment above says; a 4-bit row's
+ * offset taken in int32 before the sum is rounded to float32, as 2 x sum - 15 x sum q_c (at
+ * most 2 x 15 x 32767 x 256 in magnitude: the two sums cancel to a far smaller score). */
+static void code_scores(const int16_t *q, float q_scale, int32_t q_code_sum, int kind,
                         const int16_t *rows, const float *row_scales, int count, int dim,
                         float sm_scale, float *scores) {
-    code_dots(q, rows, count, dim, scores);
-    const float offset = kind == KV_I4 ? 7.5f * q_code_sum : 0.0f, s = q_scale * sm_scale;
-    for (int o = 0; o < count; o++) scores[o] = (scores[o] - offset) * s * row_scales[o];
+    int32_t raw[count];
+    code_dots(q, rows, count, dim, raw);
+    const int i4 = kind == KV_I4;
+    const float s = q_scale * sm_scale * (i4 ? 0.5f : 1.0f);
+    for (int o = 0; o < count; o++) {
+        const int32_t exact = i4 ? 2 * raw[o] - 15 * q_code_sum : raw[o];
+        scores[o] = (float)exact * s * row_scales[o];
+    }
 }
 
 /* A block's value rows of one KV head: where each row's codes start, and their scales. */
@@ -470,7 +480,8 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
     const int value_codes_read = reads_codes(value_kind, dim);
     int16_t *key_code_rows = (int16_t *)key_buf;
     int16_t q_codes[key_codes_read ? num_heads * dim : 1];
-    float q_scales[num_heads], q_code_sums[num_heads];
+    float q_scales[num_heads];
+    int32_t q_code_sums[num_heads];
     float key_scales[block_size], value_scales[block_size];
     const uint8_t *value_code_starts[block_size];
 #if HAVE_DOT8
