@@ -43,6 +43,9 @@ QUANTIZED_DTYPES = (*ROW_FORMATS, "k8v4")
 SCALED_DTYPES = ("fp8_e4m3", "int8", "int4")  # row formats with a scale per row
 PACKED_DTYPES = ("int4",)  # two codes a byte: the cache's last dim is head_dim / 2
 ROTATED_DTYPES = ("int4", "k8v4")  # rows stored rotated (attention/rotation.py)
+# What a rotated cache's rows hold, in the prefix store's fingerprint: rows stored under
+# another version do not read back (1: rotated, mean keys out; 2: keys' channels scaled too).
+ROTATED_ROWS_VERSION = "2"
 
 FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STORAGE_TORCH_DTYPE = {

@@ -11,7 +11,8 @@ import torch
 from kv_requests import make_request
 
 from kvserve.attention.kv_cache import allocate_kv_caches
-from kvserve.engine.prefix_store import PrefixStore
+from kvserve.engine.prefix_store import PrefixStore, differences, fingerprint
+from kvserve.executor.abstract import Executor
 from kvserve.kv.cache_manager import KVCacheManager
 from kvserve.kv.spec import kv_cache_spec
 
@@ -122,6 +123,22 @@ def test_another_fingerprint_is_reported_and_not_loaded(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         assert PrefixStore(tmp_path, other, 2**30, caches2).index(manager2) == 0
     assert "kv_cache_dtype: stored int8, now fp8_e4m3" in caplog.text
+
+
+def test_rotated_caches_fingerprint_what_their_rows_hold(tmp_path):
+    """int4 rows written before the keys' channel scales (rotated rows version 1) would read
+    back wrong: a rotated dtype's fingerprint names the version, the others' do not change."""
+    tokenizer = type("Vocab", (), {"get_vocab": lambda self: {"a": 0}})()
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    rows = Executor.rotated_rows
+    prints = {dtype: fingerprint(model, "float32", dtype, 16, "30x3x64", tokenizer, rows(dtype))
+              for dtype in ("int4", "k8v4", "int8", "bfloat16")}  # fmt: skip
+    assert prints["int4"]["rotated_rows"] == prints["k8v4"]["rotated_rows"] == "2"
+    assert "rotated_rows" not in prints["int8"] and "rotated_rows" not in prints["bfloat16"]
+    assert prints["int8"] == fingerprint(model, "float32", "int8", 16, "30x3x64", tokenizer)
+    old = {**prints["int4"], "rotated_rows": "1"}
+    assert differences(old, prints["int4"]) == ["rotated_rows: stored 1, now 2"]
 
 
 def test_the_size_budget_deletes_the_oldest_groups(tmp_path):

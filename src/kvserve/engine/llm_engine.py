@@ -146,7 +146,7 @@ class LLMEngine:
         ex, mc, spec = self.executor, self.model_config, self.sizing.spec
         shape = store_shape(mc.num_layers, mc.num_kv_heads, mc.head_dim, spec)
         return fingerprint(ex.model_path, ex.dtype_name, spec.dtype, spec.block_size, shape,
-                           self.tokenizer)  # fmt: skip
+                           self.tokenizer, ex.rotated_rows(spec.dtype))  # fmt: skip
 
     def _log_startup(self, seconds: float) -> None:
         mc, ex = self.model_config, self.executor

@@ -90,14 +90,18 @@ def fingerprint(
     block_size: int,
     model_shape: str,
     tokenizer: object,
+    rotated_rows: str | None = None,
 ) -> dict[str, str]:
     """What the stored K/V depend on: the model files (name, size, mtime), the dtypes, the
-    block size, the model's shape and the tokenizer's vocabulary and rules."""
+    block size, the model's shape and the tokenizer's vocabulary and rules; for a cache of
+    rotated rows, what they hold (`rotated_rows`, kv_quant.ROTATED_ROWS_VERSION)."""
     files = [model_path] if model_path.is_file() else sorted(model_path.glob("*"))
     stamps = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.is_file()]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab()))
+    rotated = {"rotated_rows": rotated_rows} if rotated_rows is not None else {}
     return {
+        **rotated,
         "format": STORE_FORMAT,
         "model": model_path.name,
         "model_files": hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16],

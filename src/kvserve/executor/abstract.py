@@ -30,7 +30,7 @@ from kvserve.executor.base import (
 from kvserve.executor.kv_dtype_check import canary_token_ids, wants_check
 from kvserve.executor.memory import HostMemory, kv_budget_bytes, measure_host_memory
 from kvserve.kv.spec import KVCacheSpec
-from kvserve.kv_quant import ROTATED_DTYPES
+from kvserve.kv_quant import ROTATED_DTYPES, ROTATED_ROWS_VERSION
 from kvserve.models.loader import Checkpoint as Checkpoint
 from kvserve.runner.disk_tier import block_file, keys_in  # the engine names them through here
 from kvserve.step import ModelRunnerOutput, SchedulerOutput
@@ -96,6 +96,12 @@ class Executor(ABC):
         return self.driver_worker.kv_caches
 
     # ------------------------------------------------------------------ start-up
+    @staticmethod
+    def rotated_rows(kv_dtype: str) -> str | None:
+        """What a cache of `kv_dtype` holds where its rows are rotated (for the prefix store's
+        fingerprint: kv_quant.ROTATED_ROWS_VERSION), else None."""
+        return ROTATED_ROWS_VERSION if kv_dtype in ROTATED_DTYPES else None
+
     def calibrate_key_offsets(self, tokenizer: object) -> None:
         """A rotated (4-bit) --kv-cache-dtype: each layer's key offset, on every rank, from
         the canary text (runner/key_offsets.py); nothing for the other dtypes.  Before the
