@@ -20,6 +20,13 @@ differs from row to row (docs/decisions/kv-int4-rotation.md). A per-group scale 
 q4_0 keeps one per 32 values) would cost the bytes that make 3.5x; the rotation that comes with
 int4 (attention/rotation.py) spreads a head's outliers over all its values instead, so one
 scale per head fits them.
+
+An int4 key cache may have a key sink per layer and head (runner/key_offsets.py): a key row
+nearer the sink than zero is stored as row - sink, and its scale negated to say so; it reads
+back as codes x |scale| + sink.  The first token's keys (the attention sink, which most
+queries weigh heavily) lie far from the others and alike from one text to the next: relative to
+the sink their 4-bit rounding is small, and with it the error of the scores that decide how much
+every query attends them.
 """
 
 from __future__ import annotations
@@ -44,8 +51,9 @@ SCALED_DTYPES = ("fp8_e4m3", "int8", "int4")  # row formats with a scale per row
 PACKED_DTYPES = ("int4",)  # two codes a byte: the cache's last dim is head_dim / 2
 ROTATED_DTYPES = ("int4", "k8v4")  # rows stored rotated (attention/rotation.py)
 # What a rotated cache's rows hold, in the prefix store's fingerprint: rows stored under
-# another version do not read back (1: rotated, mean keys out; 2: keys' channels scaled too).
-ROTATED_ROWS_VERSION = "2"
+# another version do not read back (1: rotated, mean keys out; 2: keys' channels scaled too;
+# 3: int4 keys near the key sink stored relative to it).
+ROTATED_ROWS_VERSION = "3"
 
 FP8_TORCH_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STORAGE_TORCH_DTYPE = {
@@ -66,8 +74,12 @@ def storage_dtype(kv_dtype: str) -> torch.dtype:
     return getattr(torch, kv_dtype)
 
 
-def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [tokens, heads, dim] -> (data in storage dtype, scale [tokens, heads] float32 or None)."""
+def quantize(
+    x: torch.Tensor, kv_dtype: str, key_sink: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [tokens, heads, dim] -> (data in storage dtype, scale [tokens, heads] float32 or None).
+    `key_sink` [heads, dim] (int4 keys alone): rows nearer it than zero stored relative to it,
+    under negative scales (this module's docstring)."""
     if kv_dtype == "fp8_e5m2":
         data = x.float().clamp(-FP8_E5M2_MAX, FP8_E5M2_MAX).to(torch.float8_e5m2)
         return data.view(torch.uint8), None
@@ -82,8 +94,15 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
         data = (x32 / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         return data.to(torch.float8_e4m3fn).view(torch.uint8), scale
     if kv_dtype == "int4":
-        codes, scale = _int4_codes(x32, amax)
-        return pack_nibbles(codes.to(torch.uint8)), scale
+        if key_sink is None:
+            codes, scale = _int4_codes(x32, amax)
+            return pack_nibbles(codes.to(torch.uint8)), scale
+        sink = key_sink.to(torch.float32)
+        x64, sink64 = x32.double(), sink.double()
+        near = (x64 - sink64).square().sum(-1) < x64.square().sum(-1)
+        x32 = torch.where(near[..., None], x32 - sink, x32)
+        codes, scale = _int4_codes(x32, x32.abs().amax(dim=-1))
+        return pack_nibbles(codes.to(torch.uint8)), torch.where(near, -scale, scale)
     raise ValueError(f"not a quantized KV dtype: {kv_dtype!r}")
 
 
@@ -121,15 +140,24 @@ def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(
-    data: torch.Tensor, scale: torch.Tensor | None, kv_dtype: str, out_dtype: torch.dtype
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    kv_dtype: str,
+    out_dtype: torch.dtype,
+    key_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of quantize: data [..., dim] (+ scale [...]) -> values in out_dtype."""
+    """Inverse of quantize: data [..., heads, dim] (+ scale [..., heads]) -> values in
+    out_dtype; `key_sink` [heads, dim] as quantize was given it (int4 keys)."""
     if kv_dtype in FP8_TORCH_DTYPES:
         values = data.view(FP8_TORCH_DTYPES[kv_dtype]).to(torch.float32)
     elif kv_dtype == "int4":
         values = unpack_nibbles(data).to(torch.float32) - (INT4_LEVELS_HALF - 0.5)
     else:
         values = data.to(torch.float32)
-    if scale is not None:
+    if key_sink is not None and kv_dtype == "int4":
+        assert scale is not None
+        relative = (scale < 0)[..., None]
+        values = values * scale.abs()[..., None] + relative * key_sink.to(torch.float32)
+    elif scale is not None:
         values = values * scale[..., None]
     return values.to(out_dtype)

@@ -36,6 +36,23 @@ def test_kernel_equals_reference(kv_dtype, heads, kv_heads, dim, block_size):
     torch.testing.assert_close(got, expected, **decode_tolerance(kv_dtype))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), SHAPES)
+def test_int4_keys_relative_to_the_key_sink_equal_reference(heads, kv_heads, dim, block_size):
+    """An int4 cache whose every fourth key lies near the layer's key sink (stored relative to
+    it, kv_quant.py): the kernel's scores of those rows take q . sink (code and float paths)."""
+    _, cache, md, scale, _ = decode_case("int4", heads, kv_heads, dim, block_size)
+    gen = torch.Generator().manual_seed(dim)
+    cache.key_sink = torch.randn(kv_heads, dim, generator=gen) * 5
+    slots = torch.arange(0, cache.key.shape[0] * block_size, 4)
+    keys = cache.key_sink + torch.randn(len(slots), kv_heads, dim, generator=gen)
+    cache.write(slots, keys, torch.randn(len(slots), kv_heads, dim, generator=gen))
+    assert (cache.key_scale < 0).sum() == len(slots) * kv_heads
+    query = torch.randn(md.decode_block_tables.shape[0], heads, dim, generator=gen)
+    expected = TorchRefBackend()._decode(query, cache, md, scale)
+    got = select_backend("cpu-paged", torch.device("cpu"))._decode(query, cache, md, scale)
+    torch.testing.assert_close(got, expected, **decode_tolerance("int4"))
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),

@@ -119,7 +119,7 @@ class _Cache:
     def __init__(self, dtype: torch.dtype = torch.bfloat16, kv_dtype: str = "auto") -> None:
         self.key = torch.zeros(4, 16, 2, 32, dtype=dtype)
         self.value = torch.zeros(4, 16, 2, 32, dtype=dtype)
-        self.key_scale = self.value_scale = None
+        self.key_scale = self.value_scale = self.key_sink = None
         self.kv_dtype = kv_dtype
 
 

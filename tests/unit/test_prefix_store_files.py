@@ -126,19 +126,20 @@ def test_another_fingerprint_is_reported_and_not_loaded(tmp_path, caplog):
 
 
 def test_rotated_caches_fingerprint_what_their_rows_hold(tmp_path):
-    """int4 rows written before the keys' channel scales (rotated rows version 1) would read
-    back wrong: a rotated dtype's fingerprint names the version, the others' do not change."""
+    """int4 rows written before the keys' channel scales (rotated rows version 1), or before
+    the key sink (2), would read back wrong: a rotated dtype's fingerprint names the version,
+    the others' do not change."""
     tokenizer = type("Vocab", (), {"get_vocab": lambda self: {"a": 0}})()
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
     rows = Executor.rotated_rows
     prints = {dtype: fingerprint(model, "float32", dtype, 16, "30x3x64", tokenizer, rows(dtype))
               for dtype in ("int4", "k8v4", "int8", "bfloat16")}  # fmt: skip
-    assert prints["int4"]["rotated_rows"] == prints["k8v4"]["rotated_rows"] == "2"
+    assert prints["int4"]["rotated_rows"] == prints["k8v4"]["rotated_rows"] == "3"
     assert "rotated_rows" not in prints["int8"] and "rotated_rows" not in prints["bfloat16"]
     assert prints["int8"] == fingerprint(model, "float32", "int8", 16, "30x3x64", tokenizer)
-    old = {**prints["int4"], "rotated_rows": "1"}
-    assert differences(old, prints["int4"]) == ["rotated_rows: stored 1, now 2"]
+    old = {**prints["int4"], "rotated_rows": "2"}
+    assert differences(old, prints["int4"]) == ["rotated_rows: stored 2, now 3"]
 
 
 def test_the_size_budget_deletes_the_oldest_groups(tmp_path):

@@ -44,6 +44,7 @@ def _store_quantized_in_c(
     scales: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     row_format: str,
+    key_sink: torch.Tensor | None = None,
 ) -> bool:
     """Quantize and store `x` in one pass through the native library
     (native/csrc/attention/kv_quantize.c, the same codes as kv_quant.py bit for bit); False
@@ -53,7 +54,7 @@ def _store_quantized_in_c(
     if kernels is None:
         return False
     slots = as_int64(slot_mapping)
-    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, row_format))
+    kernels.kv_quantize_store(x, flat, scales, slots, kind_of(flat.dtype, row_format), key_sink)
     return True
 
 
@@ -78,6 +79,15 @@ class LayerKVCache:
     # The rows are stored rotated (attention/rotation.py): queries are rotated to match and
     # outputs rotated back around the backend's call.  int4 caches, unless asked otherwise.
     rotated: bool = False
+    # [kv_heads, head_dim] float32, contiguous, or None: an int4 key cache's key sink, its
+    # layer's (kv_quant.py's docstring).  Set on the view of the cache that a layer's
+    # attention sees (rotation.attend): with KV cache groups, layers share one cache.
+    key_sink: torch.Tensor | None = None
+
+    @property
+    def sink_of_keys(self) -> torch.Tensor | None:
+        """The key sink where the keys are stored as 4-bit rows, else None."""
+        return self.key_sink if self.key_dtype == "int4" else None
 
     @property
     def quantized(self) -> bool:
@@ -96,15 +106,15 @@ class LayerKVCache:
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's K/V: slot_mapping [T], k/v [T, kv_heads, head_dim]."""
         tensors = (
-            (self.key, self.key_scale, k, self.key_dtype),
-            (self.value, self.value_scale, v, self.value_dtype),
+            (self.key, self.key_scale, k, self.key_dtype, self.sink_of_keys),
+            (self.value, self.value_scale, v, self.value_dtype, None),
         )
-        for cache, scales, x, row_format in tensors:
+        for cache, scales, x, row_format, sink in tensors:
             flat = cache.view(-1, *cache.shape[2:])
             if self.quantized:
-                if _store_quantized_in_c(x, flat, scales, slot_mapping, row_format):
+                if _store_quantized_in_c(x, flat, scales, slot_mapping, row_format, sink):
                     continue
-                data, scale = quant.quantize(x, row_format)
+                data, scale = quant.quantize(x, row_format, sink)
                 flat.index_copy_(0, slot_mapping, data)
                 if scales is not None:
                     scales.view(-1, cache.shape[2]).index_copy_(0, slot_mapping, scale)
@@ -136,14 +146,14 @@ class LayerKVCache:
         """K/V of whole blocks: block_ids [..., n] -> [..., n * block_size, kv_heads, head_dim]."""
         out = []
         tensors = (
-            (self.key, self.key_scale, self.key_dtype),
-            (self.value, self.value_scale, self.value_dtype),
+            (self.key, self.key_scale, self.key_dtype, self.sink_of_keys),
+            (self.value, self.value_scale, self.value_dtype, None),
         )
-        for cache, scales, row_format in tensors:
+        for cache, scales, row_format, sink in tensors:
             data = _take_blocks(cache, block_ids)
             if self.quantized:
                 scale = None if scales is None else _take_blocks(scales, block_ids)
-                data = quant.dequantize(data, scale, row_format, out_dtype)
+                data = quant.dequantize(data, scale, row_format, out_dtype, sink)
             else:
                 data = data.to(out_dtype)  # no-op when the cache holds the compute dtype
             out.append(data.flatten(-4, -3))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 
@@ -81,14 +82,18 @@ def attend(
     scale: float,
     key_offset: torch.Tensor | None = None,  # [Hkv, D], rotated (runner/key_offsets.py)
     key_channel_scale: torch.Tensor | None = None,  # [Hkv, D] (runner/key_offsets.py)
+    key_sink: torch.Tensor | None = None,  # [Hkv, D] float32, as stored (kv_quant.py)
 ) -> torch.Tensor:
     """backend.forward, with q, k, v rotated and the output rotated back where the cache keeps
     rotated rows (kv_cache.rotated); before that the keys divided and the queries multiplied
     by the layer's channel scales, and after it the key offset subtracted from the rotated
-    keys (neither changes an attention weight: runner/key_offsets.py); the backend's own call
+    keys (neither changes an attention weight: runner/key_offsets.py), over the view of the
+    cache that stores int4 keys near `key_sink` relative to it; the backend's own call
     elsewhere."""
     if not kv_cache.rotated:
         return backend.forward(query, key, value, kv_cache, metadata, scale)
+    if key_sink is not None and kv_cache.key_dtype == "int4":
+        kv_cache = replace(kv_cache, key_sink=key_sink)
     if key_channel_scale is not None:
         key = key / key_channel_scale
         tokens, heads, dim = query.shape

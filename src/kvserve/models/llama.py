@@ -234,6 +234,7 @@ class DecoderLayer(nn.Module):
         # from the rotated keys; None until calibrated
         self.key_offset: torch.Tensor | None = None
         self.key_channel_scale: torch.Tensor | None = None
+        self.key_sink: torch.Tensor | None = None  # float32, as an int4 cache stores it
         self.local_rope = bool(sliding_window) and config.rope_local_base_freq is not None
         norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
         self.gemma_norms = config.gemma_norms
@@ -382,16 +383,23 @@ class LlamaForCausalLM(nn.Module):
         self.pads_rows = True
 
     def set_key_offsets(
-        self, offsets: Sequence[torch.Tensor], channel_scales: Sequence[torch.Tensor]
+        self,
+        offsets: Sequence[torch.Tensor],
+        channel_scales: Sequence[torch.Tensor],
+        sinks: Sequence[torch.Tensor],
     ) -> None:
         """Each layer's key offset and channel scales (runner/key_offsets.py), in the
-        activations' dtype."""
-        if not len(offsets) == len(channel_scales) == len(self.layers):
+        activations' dtype, and its key sink in float32 (what the cache's kernels read)."""
+        if not len(offsets) == len(channel_scales) == len(sinks) == len(self.layers):
             raise ValueError(f"{len(offsets)} key offsets, {len(channel_scales)} channel "
-                             f"scales for {len(self.layers)} layers")  # fmt: skip
-        for layer, offset, scale in zip(self.layers, offsets, channel_scales, strict=True):
+                             f"scales, {len(sinks)} key sinks for {len(self.layers)} "
+                             "layers")  # fmt: skip
+        for layer, offset, scale, sink in zip(
+            self.layers, offsets, channel_scales, sinks, strict=True
+        ):
             layer.key_offset = offset.to(self.dtype)
             layer.key_channel_scale = scale.to(self.dtype)
+            layer.key_sink = sink.to(torch.float32).contiguous()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -456,7 +464,7 @@ class LlamaForCausalLM(nn.Module):
             with record_function("kvserve::attention"):
                 attn = rotation.attend(
                     backend, q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache, layer_md,
-                    layer.scale, layer.key_offset, layer.key_channel_scale,
+                    layer.scale, layer.key_offset, layer.key_channel_scale, layer.key_sink,
                 )  # fmt: skip
             if index + 1 < len(layers):
                 hidden, q, k, v = kernels.between_attentions(

@@ -68,3 +68,4 @@ class KVTensors(Protocol):
     key_scale: torch.Tensor | None  # [num_blocks, block_size, num_kv_heads] float32
     value_scale: torch.Tensor | None
     kv_dtype: str
+    key_sink: torch.Tensor | None  # [num_kv_heads, head_dim] float32: int4 keys' (kv_quant.py)

@@ -56,7 +56,7 @@ DECLARATIONS: dict[str, tuple[type, list[type]]] = {
     "paged_decode_attention": (_I32, [ctypes.POINTER(PagedDecodeArgs)]),
     "paged_decode_use_amx": (_I32, [_I32]),
     "prefill_attention_bf16": (_I32, [ctypes.POINTER(PrefillArgs)]),
-    "kv_quantize_store": (_I32, [_P, _I32, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32]),
+    "kv_quantize_store": (_I32, [_P, _I32, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _P, _I32]),
     "kv_copy_store": (_I32, [_P, _I64, _P, _P, _I32, _I64, _I32]),
     # linear/ (linear_amx_set_stealing: AMX builds only)
     "linear_bf16_packed": (_I32, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32]),
@@ -130,6 +130,17 @@ def _step_tables(
         block_tables.dim() == 2 and _is(block_tables, _INT64, (m, block_tables.shape[1]))
         and _is(seq_lens, _INT64, (m,)) and _is(slots, _INT64, (m,))
     )  # fmt: skip
+
+
+def _sink_pointer(cache: KVTensors, kind: Kind, num_kv_heads: int, dim: int) -> int | None:
+    """The address of a 4-bit key cache's key sink (kv_quant.py), NULL without one; refused
+    where it is not float32 [Hkv, D], contiguous."""
+    sink = cache.key_sink
+    if sink is None or kind != Kind.I4:
+        return None
+    if not _is(sink, _F32, (num_kv_heads, dim)):
+        _refuse("paged_decode_attention", "a contiguous float32 key sink [Hkv, D]", key_sink=sink)
+    return sink.data_ptr()
 
 
 def _cache_pointers(caches: Sequence[KVTensors]) -> ctypes.Array[ctypes.c_void_p]:
@@ -248,6 +259,7 @@ class Kernels:
             num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, dim=dim,
             block_size=key.shape[1], sm_scale=scale, num_threads=torch.get_num_threads(),
             io_bf16=query.dtype == _BF16, sliding_window=window, value_kind=value_kind,
+            key_sink=_sink_pointer(cache, kind, num_kv_heads, dim),
         )  # fmt: skip
         if new_rows is not None:
             _set_new_rows(args, new_rows, key)
@@ -327,6 +339,7 @@ class Kernels:
         scales: torch.Tensor | None,  # slots x Hkv float32 (int8, e4m3, int4), else None
         slots: torch.Tensor,  # [T] int64
         kind: Kind,
+        sink: torch.Tensor | None = None,  # [Hkv, D] float32, contiguous: an I4 key sink
     ) -> None:
         """csrc/attention/kv_quantize.c: quantize and store in one pass (kv_quant.py's codes
         bit for bit)."""
@@ -342,6 +355,7 @@ class Kernels:
                  and scales.dtype is _F32 and scales.is_contiguous()
                  and scales.numel() == c_shape[0] * c_shape[1])
             and slots.dtype is _INT64 and slots.shape == r_shape[:1] and slots.is_contiguous()
+            and (sink is None or kind == Kind.I4 and _is(sink, _F32, r_shape[1:]))
         ):  # fmt: skip
             _refuse("kv_quantize_store", f"float32 or bfloat16 rows [T, Hkv, D] into a "
                     f"contiguous {kind.name} cache [slots, Hkv, D] (D / 2 for I4; contiguous "
@@ -350,7 +364,8 @@ class Kernels:
         num_tokens, heads, dim = rows.shape
         self.lib.kv_quantize_store(
             rows.data_ptr(), kind_of(rows.dtype), rows.stride(0), cache.data_ptr(),
-            _ptr(scales), slots.data_ptr(), num_tokens, heads, dim, kind, torch.get_num_threads(),
+            _ptr(scales), slots.data_ptr(), num_tokens, heads, dim, kind, _ptr(sink),
+            torch.get_num_threads(),
         )  # fmt: skip
 
     def kv_copy_store(self, rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

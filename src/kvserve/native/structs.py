@@ -44,6 +44,7 @@ class PagedDecodeArgs(ctypes.Structure):
         ("io_bf16", _I32),
         ("sliding_window", _I32),
         ("value_kind", _I32),
+        ("key_sink", _P),
     ]
 
 

@@ -20,6 +20,11 @@ canary), by the model itself, deterministically.  Measured on the embedded model
 int4, docs/decisions/kv-int4-rotation.md): the offsets took the perplexity increase over a
 float32 cache from 5.0% to 3.5% on 2,048 tokens; the channel scales help only with the
 row's scale chosen among several (kv_quant.INT4_SCALE_DIVISORS).
+
+The key sink is the calibration text's first key as the cache stores it.  The first token of a
+text draws much of every query's attention (the attention sink), and its keys, far from the
+others, are alike whatever the token: an int4 cache stores the keys near the sink relative to
+it (kv_quant.py), so their rounding is that of a small row.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class KeyStatistics:
     mean_key: torch.Tensor
     key_variance: torch.Tensor
     query_square: torch.Tensor
+    first_key: torch.Tensor  # the first token's: where the attention sink's keys lie
 
     def channel_scale(self) -> torch.Tensor:
         ratio = self.key_variance.clamp(min=_MIN_MOMENT) / self.query_square.clamp(min=_MIN_MOMENT)
@@ -90,17 +96,22 @@ def key_statistics(
     for i, layer in enumerate(cache.layers):
         keys = layer.key.flatten(0, 1)[:count].float()
         stats.append(KeyStatistics(keys.mean(0), keys.var(0, correction=0),
-                                   queries.sums[i] / (count * group)))  # fmt: skip
+                                   queries.sums[i] / (count * group), keys[0]))  # fmt: skip
     return stats
 
 
 def calibrate_key_offsets(
     model: torch.nn.Module, token_ids: list[int], device: torch.device
 ) -> None:
-    """Set each layer's key channel scales and key offset (its mean key, scaled and rotated as
-    a 4-bit cache stores keys) on the model, which applies them where the cache keeps
+    """Set each layer's key channel scales, key offset (its mean key, scaled and rotated as
+    a 4-bit cache stores keys) and key sink (the text's first key, as the cache stores it:
+    scaled, rotated, less the offset) on the model, which applies them where the cache keeps
     rotated rows."""
     stats = key_statistics(model, token_ids, device)
     scales = [s.channel_scale() for s in stats]
     offsets = [rotation.rotate(s.mean_key / scale) for s, scale in zip(stats, scales, strict=True)]
-    model.set_key_offsets(offsets, scales)
+    sinks = [
+        rotation.rotate(s.first_key / scale) - offset
+        for s, scale, offset in zip(stats, scales, offsets, strict=True)
+    ]
+    model.set_key_offsets(offsets, scales, sinks)

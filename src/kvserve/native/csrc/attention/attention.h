@@ -28,6 +28,9 @@ typedef struct {
     int num_threads, io_bf16;
     int sliding_window;      /* 0, or W: each sequence attends its last W keys alone */
     int value_kind;          /* the values' storage: `kind` but for k8v4 (int8 K, int4 V) */
+    const float *key_sink;   /* [num_kv_heads, dim] or NULL: a KV_I4 key row with a negative
+                              * scale holds key - key_sink (kv_quantize.c), read back as
+                              * codes x |scale| + key_sink */
 } paged_decode_args;
 
 int paged_decode_attention(const paged_decode_args *args);
@@ -53,7 +56,7 @@ int prefill_attention_bf16(const prefill_attention_args *args);
 
 int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *cache,
                       float *scales, const int64_t *slots, int num_tokens, int heads, int dim,
-                      int out_kind, int num_threads);
+                      int out_kind, const float *sink, int num_threads);
 
 int kv_copy_store(const void *x, int64_t token_stride_bytes, void *cache, const int64_t *slots,
                   int num_tokens, int64_t row_bytes, int num_threads);

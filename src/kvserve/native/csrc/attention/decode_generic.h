@@ -330,14 +330,16 @@ static void code_dots(const int16_t *q, const int16_t *rows, int count, int dim,
  * most 2 x 15 x 32767 x 256 in magnitude: the two sums cancel to a far smaller score). */
 static void code_scores(const int16_t *q, float q_scale, int32_t q_code_sum, int kind,
                         const int16_t *rows, const float *row_scales, int count, int dim,
-                        float sm_scale, float *scores) {
+                        float sm_scale, float sink_score, float *scores) {
     int32_t raw[count];
     code_dots(q, rows, count, dim, raw);
     const int i4 = kind == KV_I4;
     const float s = q_scale * sm_scale * (i4 ? 0.5f : 1.0f);
     for (int o = 0; o < count; o++) {
         const int32_t exact = i4 ? 2 * raw[o] - 15 * q_code_sum : raw[o];
-        scores[o] = (float)exact * s * row_scales[o];
+        const float row_scale = row_scales[o];
+        scores[o] = row_scale < 0.0f ? (float)exact * s * -row_scale + sink_score /* key - sink */
+                                     : (float)exact * s * row_scale;
     }
 }
 
@@ -450,24 +452,33 @@ static inline void prefetch_rows(const char *base, int64_t bytes) {
  * copies in buf otherwise. */
 static inline void block_rows(const void *cache, const float *scales, int kind, const float *lut,
                               int64_t first_slot, int count, int kv_head, int num_kv_heads,
-                              int dim, float *buf, const float **rows) {
+                              int dim, float *buf, const float **rows, const float *sink) {
     for (int o = 0; o < count; o++) {
         int64_t idx = (first_slot + o) * num_kv_heads + kv_head;
         float s = scales ? scales[idx] : 1.0f;
-        rows[o] = load_row(cache, kind, idx * dim, dim, s, lut, buf + (int64_t)o * dim);
+        float *dst = buf + (int64_t)o * dim;
+        if (sink && s < 0.0f) { /* a 4-bit key stored as key - sink (kv_quantize.c) */
+            load_row(cache, kind, idx * dim, dim, -s, lut, dst);
+            for (int d = 0; d < dim; d++) dst[d] += sink[d];
+            rows[o] = dst;
+        } else {
+            rows[o] = load_row(cache, kind, idx * dim, dim, s, lut, dst);
+        }
     }
 }
 
 /* One sequence, all its heads, one pass over its blocks with an online softmax: the keys
  * at positions skip .. seq_len - 1 of the blocks in `table` (skip < block_size: a sliding
- * window that starts inside the table's first block; 0 otherwise).
+ * window that starts inside the table's first block; 0 otherwise).  key_sink: NULL, or
+ * [num_kv_heads, dim] that a 4-bit key row with a negative scale is stored relative to
+ * (kv_quantize.c): its score takes q . sink x sm_scale, once a head.
  * work: 2 * num_heads + group * block_size + 2 * block_size * dim floats. */
 static void attend_sequence(const float *q, float *out, const void *key, const void *value,
                             const float *key_scale, const float *value_scale, const float *lut,
                             int kind, int value_kind, int64_t key_row_bytes,
                             int64_t value_row_bytes, const int64_t *table, int64_t seq_len,
                             int skip, int num_kv_heads, int group, int dim, int block_size,
-                            float sm_scale, float *work, float *lse) {
+                            float sm_scale, float *work, float *lse, const float *key_sink) {
     const int num_heads = num_kv_heads * group;
     const int64_t key_block_bytes = (int64_t)block_size * num_kv_heads * key_row_bytes;
     const int64_t value_block_bytes = (int64_t)block_size * num_kv_heads * value_row_bytes;
@@ -490,9 +501,15 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
             query_codes(q + (int64_t)head * dim, kind, dim, q_codes + (int64_t)head * dim,
                         &q_scales[head], &q_code_sums[head]);
 #endif
+    if (kind != KV_I4) key_sink = NULL;
+    float sink_scores[num_heads];
     for (int head = 0; head < num_heads; head++) {
         run_max[head] = -INFINITY;
         run_sum[head] = 0.0f;
+        sink_scores[head] = 0.0f;
+        const float *sink = key_sink ? key_sink + (int64_t)(head / group) * dim : NULL;
+        for (int d = 0; sink && d < dim; d++) sink_scores[head] += q[(int64_t)head * dim + d] * sink[d];
+        sink_scores[head] *= sm_scale;
     }
     memset(out, 0, sizeof(float) * (size_t)num_heads * dim);
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -513,7 +530,7 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
             else
 #endif
                 block_rows(key, key_scale, kind, lut, first_slot, count, h, num_kv_heads, dim,
-                           key_buf, key_rows);
+                           key_buf, key_rows, key_sink ? key_sink + (int64_t)h * dim : NULL);
 #if HAVE_DOT8
             if (value_codes_read)
                 value_code_rows(value, value_scale, value_kind, first_slot, count, h,
@@ -521,14 +538,15 @@ static void attend_sequence(const float *q, float *out, const void *key, const v
             else
 #endif
                 block_rows(value, value_scale, value_kind, lut, first_slot, count, h,
-                           num_kv_heads, dim, value_buf, value_rows);
+                           num_kv_heads, dim, value_buf, value_rows, NULL);
             for (int g = 0; g < group; g++) {
                 int head = h * group + g;
                 float *p = probs + g * block_size, *acc = out + (int64_t)head * dim;
 #if HAVE_DOT8
                 if (key_codes_read)
                     code_scores(q_codes + (int64_t)head * dim, q_scales[head], q_code_sums[head],
-                                kind, key_code_rows, key_scales, count, dim, sm_scale, p);
+                                kind, key_code_rows, key_scales, count, dim, sm_scale,
+                                sink_scores[head], p);
                 else
 #endif
                     block_scores(q + (int64_t)head * dim, key_rows, count, dim, sm_scale, p);

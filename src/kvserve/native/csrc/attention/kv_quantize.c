@@ -12,6 +12,8 @@
  *   cache   [slots, heads, dim] codes ([slots, heads, dim / 2] bytes for KV_I4); scales
  *           [slots, heads] float32 (int8, e4m3, int4) or NULL
  *   out_kind KV_I8, KV_E4M3, KV_I4 (per-row scale), KV_E5M2 (unscaled)
+ *   sink    [heads, dim] float32 or NULL: KV_I4 key rows near it stored relative to it
+ *           (store_key_row_i4); NULL for values and the other kinds
  */
 #include <math.h>
 #include <stdint.h>
@@ -200,16 +202,41 @@ static inline void store_row_i4(const void *x, int src_kind, int64_t src, uint8_
     }
 }
 
+/* A key row nearer the layer's key sink than zero (squared distances in double, as kv_quant.py
+ * sums them) is stored as row - sink (float32 differences) under a negative scale: the sink
+ * (runner/key_offsets.py) sits far from the other keys, and its 4-bit rounding would be as
+ * far off.  Other rows, and every row without a sink, as store_row_i4. */
+static inline void store_key_row_i4(const void *x, int src_kind, int64_t src, uint8_t *dst,
+                                    float *scale_out, int dim, const float *sink) {
+    if (sink) {
+        double to_sink = 0.0, to_zero = 0.0;
+        for (int d = 0; d < dim; d++) {
+            const double v = (double)widen(x, src_kind, src + d);
+            to_sink += (v - (double)sink[d]) * (v - (double)sink[d]);
+            to_zero += v * v;
+        }
+        if (to_sink < to_zero) {
+            float shifted[dim];
+            for (int d = 0; d < dim; d++) shifted[d] = widen(x, src_kind, src + d) - sink[d];
+            store_row_i4(shifted, KV_F32, 0, dst, scale_out, dim);
+            *scale_out = -*scale_out;
+            return;
+        }
+    }
+    store_row_i4(x, src_kind, src, dst, scale_out, dim);
+}
+
 int kv_quantize_store(const void *x, int src_kind, int64_t token_stride, void *cache,
                       float *scales, const int64_t *slots, int num_tokens, int heads, int dim,
-                      int out_kind, int num_threads) {
+                      int out_kind, const float *sink, int num_threads) {
     if (out_kind == KV_I4) {
         #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int t = 0; t < num_tokens; t++)
             for (int h = 0; h < heads; h++)
-                store_row_i4(x, src_kind, (int64_t)t * token_stride + (int64_t)h * dim,
-                             (uint8_t *)cache + (slots[t] * heads + h) * (int64_t)(dim / 2),
-                             &scales[slots[t] * heads + h], dim);
+                store_key_row_i4(x, src_kind, (int64_t)t * token_stride + (int64_t)h * dim,
+                                 (uint8_t *)cache + (slots[t] * heads + h) * (int64_t)(dim / 2),
+                                 &scales[slots[t] * heads + h], dim,
+                                 sink ? sink + (int64_t)h * dim : NULL);
         return 0;
     }
     const float limit = out_kind == KV_I8 ? 127.0f : out_kind == KV_E4M3 ? 448.0f : 57344.0f;

@@ -274,7 +274,7 @@ int paged_decode_attention(const paged_decode_args *args) {
                 attend_sequence(q, o, key, value, key_scale, value_scale, lut, kind, value_kind,
                                 head_row_bytes(kind, dim), head_row_bytes(value_kind, dim), table,
                                 seq_len, skip, num_kv_heads, group, dim, block_size, sm_scale,
-                                work, seq_lse);
+                                work, seq_lse, args->key_sink);
             if (prior_out)
                 merge_prior(o, prior_out + head0, prior_lse + (int64_t)seq * num_heads, own_lse,
                             num_heads, dim);

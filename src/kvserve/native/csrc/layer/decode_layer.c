@@ -245,9 +245,9 @@ int decode_step_layers(const decode_step_args *args) {
         float *key_scale = caches[4 * i + 2], *value_scale = caches[4 * i + 3];
         if (quantized) { /* bf16 rows: k [m, Hkv, D]; v inside qkv's rows */
             kv_quantize_store(k, KV_BF16, kv_row, key, key_scale, slots, (int)m, l->num_kv_heads,
-                              l->head_dim, kind, threads);
+                              l->head_dim, kind, NULL, threads);
             kv_quantize_store(v, KV_BF16, qkv_row_bytes / 2, value, value_scale, slots, (int)m,
-                              l->num_kv_heads, l->head_dim, kind, threads);
+                              l->num_kv_heads, l->head_dim, kind, NULL, threads);
         }
         if (shared) { /* the shared prefix, attended once for all m queries */
             const prefill_attention_args prefix = {

@@ -120,9 +120,9 @@ static int attend(const q8_step_args *a, const q8_layer *l, int i, const step_bu
     const int quantized = a->kind == KV_I8 || a->kind == KV_E4M3 || a->kind == KV_E5M2;
     if (quantized) {
         kv_quantize_store(b->k, KV_F32, kv_row, key, key_scale, a->slots, (int)a->m,
-                          l->num_kv_heads, l->head_dim, a->kind, a->threads);
+                          l->num_kv_heads, l->head_dim, a->kind, NULL, a->threads);
         kv_quantize_store(v, KV_F32, qkv_row, value, value_scale, a->slots, (int)a->m,
-                          l->num_kv_heads, l->head_dim, a->kind, a->threads);
+                          l->num_kv_heads, l->head_dim, a->kind, NULL, a->threads);
     }
     const paged_decode_args decode = {
         .query = b->q, .out = b->attn, .key = key, .value = value, .key_scale = key_scale,

@@ -23,7 +23,8 @@ static const field PAGED_DECODE[] = {
     PD(block_tables), PD(seq_lens), PD(lse), PD(new_key), PD(new_value),
     PD(new_key_stride_bytes), PD(new_value_stride_bytes), PD(new_slots), PD(prior_out),
     PD(prior_lse), PD(kind), PD(num_seqs), PD(max_blocks), PD(num_kv_heads), PD(group), PD(dim),
-    PD(block_size), PD(sm_scale), PD(num_threads), PD(io_bf16), PD(sliding_window), PD(value_kind), {NULL, 0},
+    PD(block_size), PD(sm_scale), PD(num_threads), PD(io_bf16), PD(sliding_window), PD(value_kind), PD(key_sink),
+    {NULL, 0},
 };
 #define PF(name) FIELD(prefill_attention_args, name)
 static const field PREFILL[] = {
