@@ -17,7 +17,7 @@ from attention_cases import (
 )
 
 from kvserve import kv_quant as quant
-from kvserve.attention import select_backend
+from kvserve.attention import cpu_paged, select_backend
 from kvserve.attention.base import AttentionMetadata
 from kvserve.attention.kv_cache import LayerKVCache
 from kvserve.attention.torch_ref import TorchRefBackend
@@ -234,11 +234,16 @@ def test_decode_step_stores_its_rows_and_attends_them(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
-def test_chunks_after_cached_context_equal_reference(kv_dtype):
-    """A step of decodes and prefill chunks, two of them after cached context: an unquantized
-    cache's chunks attend their context and themselves in two calls merged by log-sum-exp
-    (a quantized one takes the reference's masked call).  Outputs and caches must match the
+@pytest.mark.parametrize("split_stored", [False, True])
+def test_chunks_after_cached_context_equal_reference(kv_dtype, split_stored, monkeypatch):
+    """A step of decodes and prefill chunks, two of them after cached context: a cache that
+    keeps K/V as computed has its chunks attend their context and themselves in two calls
+    merged by log-sum-exp; another (quantized, or 16-bit under float32 queries) takes the
+    reference's masked call for chunks this small, and the two calls over the rows as stored
+    past MIN_SPLIT_PAIRS_STORED (lowered to 0 here).  Outputs and caches must match the
     reference's."""
+    if split_stored:
+        monkeypatch.setattr(cpu_paged, "MIN_SPLIT_PAIRS_STORED", 0)
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     md, num_blocks, num_tokens = mixed_step(block_size, gen)
