@@ -70,9 +70,9 @@ def _rows_of(spans: list[PrefillSpan]) -> slice | torch.Tensor:
 
 # Query x key pairs of a chunk after context under which, where the cache does not keep K/V
 # as computed, the reference's one masked call over the gathered whole beats two flash calls
-# and a merge: float32, int4 and bfloat16 caches, one layer, 2 threads: 256 after 1,024 keys
-# 1.01x the masked call's time, 512 after 512 0.92x, 128 after 4,096 0.87x, 2,048 after
-# 6,144 0.70x.
+# and a merge (docs/decisions/prefill-split-stored.md): float32 queries, one layer, 2 threads,
+# 256 after 1,024 keys 1.01x the masked call's time, 512 after 512 0.92x, 2,048 after 6,144
+# 0.70x.
 MIN_SPLIT_PAIRS_STORED = 1 << 19
 
 
