@@ -27,6 +27,22 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
+#if defined(__AVX2__)
+/* The 32 codes of 16 bytes of a 4-bit row (code 2j in byte j's low nibble), in order, as four
+ * float32 vectors (no offset, no scale). */
+static inline void nibbles32(const uint8_t *bytes16, __m256 v[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)bytes16);
+    const __m128i lo = _mm_and_si128(bytes, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+}
+#endif
+
 /* One cached row (head_dim values at element offset `row`) as float32 in dst, times scale. */
 static const float *load_row(const void *cache, int kind, int64_t row, int dim, float scale,
                              const float *lut, float *dst) {
@@ -82,17 +98,11 @@ static const float *load_row(const void *cache, int kind, int64_t row, int dim, 
         d = 0;
 #if defined(__AVX2__)
         const __m256 s8 = _mm256_set1_ps(scale), half = _mm256_set1_ps(7.5f);
-        const __m128i low4 = _mm_set1_epi8(0x0f);
-        for (; d + 32 <= dim; d += 32) { /* 16 bytes: their nibbles interleaved back in order */
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(src + d / 2));
-            __m128i lo = _mm_and_si128(bytes, low4);
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-            for (int c = 0; c < 4; c++) {
-                __m128i eight = c & 1 ? _mm_srli_si128(codes[c / 2], 8) : codes[c / 2];
-                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
-                _mm256_storeu_ps(dst + d + 8 * c, _mm256_mul_ps(_mm256_sub_ps(v, half), s8));
-            }
+        for (; d + 32 <= dim; d += 32) {
+            __m256 v[4];
+            nibbles32(src + d / 2, v);
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_ps(dst + d + 8 * c, _mm256_mul_ps(_mm256_sub_ps(v[c], half), s8));
         }
 #endif
         for (; d < dim; d++) {
@@ -362,15 +372,7 @@ static inline void codes32(const uint8_t *row, int kind, int d, __m256 v[4]) {
                 _mm_loadl_epi64((const __m128i *)(row + d + 8 * j))));
         return;
     }
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + d / 2));
-    const __m128i lo = _mm_and_si128(bytes, low4);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
-    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
-    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
-    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
-    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+    nibbles32(row + d / 2, v);
 }
 
 /* acc[g] += sum_o weights[g][o] x row o, for `heads` (1 to 3, a constant where inlined) heads
